@@ -1,0 +1,13 @@
+"""attnlayers: one attention layer for JAX/Flax with a choice of kernel.
+
+  attnlayers.attention(q, k, v, backend="cudnn", is_causal=True)   # functional core
+  attnlayers.explain("auto", q, k, v)                               # what would run, and why
+  attnlayers.nnx.MultiHeadAttention / attnlayers.linen.MultiHeadDotProductAttention
+"""
+
+from attnlayers.backends import AUTO_ORDER, NAMES as BACKENDS
+from attnlayers.core import attention, explain
+from attnlayers.plan import BackendUnavailableError, Plan
+
+__all__ = ["attention", "explain", "BACKENDS", "AUTO_ORDER", "BackendUnavailableError", "Plan"]
+__version__ = "0.1.0"

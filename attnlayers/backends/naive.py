@@ -1,0 +1,56 @@
+"""Attention written out by hand: the reference every other backend is judged by.
+
+scores = q k^T (float32 accumulation) -> scale -> bias -> mask -> float32 softmax ->
+weights (cast to the input dtype) -> dropout -> weights v. It materialises the
+(B, N, T, S) weights, so it is the one backend that can return them, apply dropout
+to them, or honour a matmul `precision`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attnlayers.spec import Call, Dropout
+
+NAME = "naive"
+SUMMARY = "hand-written einsum/softmax; materialises (B, N, T, S) weights; the reference"
+
+
+def unmet(call: Call) -> list[str]:
+  return []  # runs anywhere jax runs
+
+
+def allowed(T: int, S: int, *, is_causal: bool, mask):
+  """Boolean (.., T, S) array of positions that may be attended, or None for all."""
+  keep = None if mask is None else mask
+  if is_causal:  # top-left aligned, as jax.nn.dot_product_attention and cuDNN: query i sees keys j <= i
+    causal = jnp.tril(jnp.ones((T, S), dtype=jnp.bool_))
+    keep = causal if keep is None else jnp.logical_and(keep, causal)
+  return keep
+
+
+def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None,
+        dropout: Dropout | None = None, precision=None, return_weights: bool = False):
+  B, T, N, H = q.shape
+  _, S, K, _ = k.shape
+  G = N // K  # query heads per kv head; query head n uses kv head n // G
+  qg = q.reshape(B, T, K, G, H)  # (B, T, K, G, H)
+  scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=precision,
+                      preferred_element_type=jnp.float32)  # (B, K, G, T, S)
+  scores = scores.reshape(B, N, T, S) * jnp.float32(scale)  # (B, N, T, S)
+  if bias is not None:
+    scores = scores + bias.astype(jnp.float32)
+  keep = allowed(T, S, is_causal=is_causal, mask=mask)
+  if keep is not None:
+    scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (B, N, T, S)
+  used = weights
+  if dropout is not None:  # the same draw as Flax's attention, so results match it for one key
+    keep_prob = 1.0 - dropout.rate
+    shape = (1, 1, T, S) if dropout.broadcast else weights.shape
+    keep_mask = jax.random.bernoulli(dropout.rng, keep_prob, shape)
+    used = weights * (keep_mask.astype(q.dtype) / jnp.asarray(keep_prob, dtype=q.dtype))
+  out = jnp.einsum("bkgts,bskh->btkgh", used.reshape(B, K, G, T, S), v,
+                   precision=precision).reshape(B, T, N, H)  # (B, T, N, H)
+  return (out, weights) if return_weights else out

@@ -1,0 +1,159 @@
+"""`attnlayers.linen`: flax.linen's attention layers with grouped kv heads and a kernel choice.
+
+`MultiHeadDotProductAttention` (and its aliases `MultiHeadAttention`, `SelfAttention`)
+subclass Flax's classes: every field and call argument keeps its meaning, submodules keep
+Flax's names (query, key, value, out, query_ln, key_ln; cache: cached_key, cached_value,
+cache_index), so Flax's initialisation and checkpoints carry over. Added fields:
+
+  num_kv_heads: key/value heads (None = num_heads); must divide num_heads.
+  backend:      any name in attnlayers.BACKENDS (default "auto").
+  is_causal:    default for the call's `is_causal` (ignored in decode mode, where the
+                cache mask makes the single new query causal).
+
+The attention itself is the same `BackendAttention` the nnx layer uses, so both give the
+same numbers for the same parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from flax import linen as nn
+from jax import lax
+
+from attnlayers import backends
+from attnlayers.flax_attention import BackendAttention
+
+
+def _kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
+  """Flax's rules for defaulting k/v inputs (including the deprecated inputs_kv)."""
+  if inputs_kv is not None:
+    if inputs_k is not None or inputs_v is not None:
+      raise ValueError("If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None; "
+                       "prefer `inputs_k` and `inputs_v`.")
+    warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead.",
+                  DeprecationWarning)
+    return inputs_kv, inputs_kv
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None. To have both be the same "
+                       "value, pass it to `inputs_k` and leave `inputs_v` as None.")
+    inputs_k = inputs_q
+  return inputs_k, inputs_k if inputs_v is None else inputs_v
+
+
+class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+  """Drop-in for flax.linen.MultiHeadDotProductAttention with num_kv_heads, backend, is_causal."""
+  attention_fn: Callable | None = None  # None: attnlayers' core on `backend`
+  num_kv_heads: int | None = None  # None: num_heads (MHA); a divisor of num_heads: GQA; 1: MQA
+  backend: str = backends.AUTO
+  is_causal: bool = False
+
+  def _attention_fn(self) -> Callable:
+    backends.check_name(self.backend)
+    if self.attention_fn is not None:
+      if self.backend != backends.AUTO:
+        raise ValueError(f"pass either attention_fn= or backend= ({self.backend!r}), not both")
+      return self.attention_fn
+    if self.qk_attn_weights_einsum_cls or self.attn_weights_value_einsum_cls:
+      raise ValueError("qk_attn_weights_einsum_cls / attn_weights_value_einsum_cls replace the einsums of "
+                       "Flax's own attention: pass attention_fn=flax.linen.dot_product_attention with them")
+    return BackendAttention(self.backend)
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
+               deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False,
+               is_causal: bool | None = None):
+    attention_fn = self._attention_fn()
+    inputs_k, inputs_v = _kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    num_kv_heads = self.num_kv_heads or self.num_heads
+    if qkv_features % self.num_heads:
+      raise ValueError(f"Memory dimension ({qkv_features}) must be divisible by number of heads ({self.num_heads}).")
+    if self.num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({num_kv_heads}).")
+    head_dim = qkv_features // self.num_heads
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
+        precision=self.precision, dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls)
+    query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)  # (batch..., T, N, H)
+    key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)  # (batch..., S, K, H)
+    value = dense(features=(num_kv_heads, head_dim), name="value")(inputs_v)  # (batch..., S, K, H)
+    if self.normalize_qk:
+      ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+      query, key = ln(name="query_ln")(query), ln(name="key_ln")(key)
+
+    causal = self.is_causal if is_causal is None else is_causal
+    if self.decode:
+      key, value, mask = self._update_cache(key, value, mask)
+      causal = False  # the cache mask limits the new query to positions <= its own
+
+    if self.dropout_rate > 0.0:
+      deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+      if not deterministic and dropout_rng is None:
+        dropout_rng = self.make_rng("dropout")
+    else:
+      deterministic = True
+    kwargs = dict(mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+                  broadcast_dropout=self.broadcast_dropout, deterministic=deterministic, dtype=self.dtype,
+                  precision=self.precision, force_fp32_for_softmax=self.force_fp32_for_softmax)
+    if self.qk_attn_weights_einsum_cls:
+      kwargs["qk_attn_weights_einsum"] = self.qk_attn_weights_einsum_cls()
+    if self.attn_weights_value_einsum_cls:
+      kwargs["attn_weights_value_einsum"] = self.attn_weights_value_einsum_cls()
+    accepted = inspect.signature(attention_fn).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # as Flax does for custom attention_fns
+    if causal:
+      if "is_causal" not in accepted:
+        raise ValueError("is_causal=True, but the custom attention_fn takes no is_causal argument")
+      kwargs["is_causal"] = True
+    if sow_weights:
+      kwargs["module"] = self
+    x = attention_fn(query, key, value, **kwargs)  # (batch..., T, N, H)
+    return nn.DenseGeneral(
+        features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
+        dot_general_cls=self.out_dot_general_cls, name="out")(x)  # (batch..., T, features)
+
+  def _update_cache(self, key, value, mask):
+    """Writes this step's k/v into the cache; returns the whole cache and its position mask."""
+    is_initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+    if not is_initialized:  # init pass: the cache takes the shape of the (B, max_length) input
+      return key, value, mask
+    *batch_dims, max_length, num_kv_heads, depth = cached_key.value.shape
+    expected = (*batch_dims, 1, num_kv_heads, depth)
+    if key.shape != expected:
+      raise ValueError(f"Autoregressive cache shape error, expected key shape {expected} instead got {key.shape}.")
+    index = cache_index.value
+    zero = jnp.array(0, dtype=lax.dtype(index.dtype))
+    at = (zero,) * len(batch_dims) + (index, zero, zero)
+    cached_key.value = lax.dynamic_update_slice(cached_key.value, key, at)
+    cached_value.value = lax.dynamic_update_slice(cached_value.value, value, at)
+    cache_index.value = index + 1
+    seen = jnp.broadcast_to(jnp.arange(max_length) <= index, (*batch_dims, 1, 1, max_length))
+    mask = seen if mask is None else nn.combine_masks(mask, seen)
+    return cached_key.value, cached_value.value, mask
+
+
+class MultiHeadAttention(MultiHeadDotProductAttention):
+  """Alias of MultiHeadDotProductAttention under Flax's other name (auto-named MultiHeadAttention_i)."""
+
+
+class SelfAttention(MultiHeadDotProductAttention):
+  """Self-attention form of MultiHeadDotProductAttention, with Flax's call signature."""
+
+  @nn.compact
+  def __call__(self, inputs_q, mask=None, deterministic: bool | None = None, dropout_rng=None,  # type: ignore[override]
+               sow_weights: bool = False, is_causal: bool | None = None):
+    return super().__call__(inputs_q, mask=mask, deterministic=deterministic, dropout_rng=dropout_rng,
+                            sow_weights=sow_weights, is_causal=is_causal)

@@ -1,0 +1,51 @@
+"""`attnlayers.nnx.MultiHeadAttention`: flax.nnx.MultiHeadAttention with a kernel choice.
+
+A subclass of Flax's class, so every constructor and call argument of the installed Flax
+keeps its meaning and the parameter tree (names, shapes, initialisers) is Flax's own; a
+checkpoint moves between Flax's class and this one, and between backends, unchanged.
+Added, keyword-only:
+
+  backend:   any name in attnlayers.BACKENDS (default "auto"; see attnlayers.explain).
+  is_causal: default for the call's `is_causal` (the call's value wins when given).
+
+In decode mode the cache's own position mask makes the one new query causal, so
+`is_causal` is not applied to it.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from attnlayers import backends
+from attnlayers.flax_attention import BackendAttention
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention):
+  """Drop-in for flax.nnx.MultiHeadAttention; `backend` picks the attention kernel.
+
+  Example::
+
+    layer = MultiHeadAttention(num_heads=8, in_features=512, num_kv_heads=2,
+                               backend="cudnn", is_causal=True, decode=False,
+                               dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    y = layer(x)  # x: (B, T, 512) -> (B, T, 512)
+
+  A custom `attention_fn` replaces the backend choice altogether, so passing one
+  together with a `backend` other than "auto" is an error.
+  """
+
+  def __init__(self, *args, backend: str = backends.AUTO, is_causal: bool = False, attention_fn=None, **kwargs):
+    backends.check_name(backend)
+    if attention_fn is not None and backend != backends.AUTO:
+      raise ValueError(f"pass either attention_fn= or backend= ({backend!r}), not both: a custom "
+                       "attention_fn replaces the backend's kernel")
+    super().__init__(*args, attention_fn=attention_fn or BackendAttention(backend), **kwargs)
+    self.backend = backend if attention_fn is None else "custom attention_fn"
+    self.is_causal = is_causal
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, is_causal: bool | None = None,
+               decode: bool | None = None, **kwargs):
+    causal = self.is_causal if is_causal is None else is_causal
+    if (self.decode if decode is None else decode):
+      causal = False  # the cache mask already limits the new query to positions <= its own
+    return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode, **kwargs)

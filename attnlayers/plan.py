@@ -1,0 +1,62 @@
+"""Pre-flight: which backend runs a call, and every reason the others cannot."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from attnlayers import backends
+from attnlayers.spec import Call
+
+
+class BackendUnavailableError(RuntimeError):
+  """The requested backend cannot run this call; `reasons` lists every unmet requirement."""
+
+  def __init__(self, plan: "Plan"):
+    self.plan = plan
+    self.backend = plan.requested
+    self.reasons = tuple(r for rs in plan.unmet.values() for r in rs)
+    super().__init__(str(plan))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  requested: str  # what the caller asked for ("auto" or a backend name)
+  chosen: str | None  # the backend that runs, or None when nothing can
+  unmet: dict[str, tuple[str, ...]]  # for each backend considered and refused: why
+  runnable: tuple[str, ...]  # every registered backend that could run this call
+  call: Call
+
+  @property
+  def ok(self) -> bool:
+    return self.chosen is not None
+
+  def __str__(self) -> str:
+    where = f"{self.call.shape_str()}, causal={self.call.is_causal} on {self.call.device.describe()}"
+    lines = []
+    if self.ok and self.requested == backends.AUTO:
+      lines.append(f"auto chose {self.chosen!r} for {where}: the first of {', '.join(backends.AUTO_ORDER)} that can run it")
+    elif self.ok:
+      lines.append(f"{self.chosen!r} runs {where}")
+    else:
+      lines.append(f"backend {self.requested!r} cannot run {where}:")
+    for name, reasons in self.unmet.items():
+      lines += [f"  - {name}: {r}" if self.requested == backends.AUTO else f"  - {r}" for r in reasons]
+    if not self.ok:
+      others = ", ".join(self.runnable) or "none"
+      lines.append(f"backends that can run this call here: {others}")
+    return "\n".join(lines)
+
+
+def plan(requested: str, call: Call) -> Plan:
+  backends.check_name(requested)
+  reasons = {name: tuple(b.unmet(call)) for name, b in backends.REGISTRY.items()}
+  runnable = tuple(name for name, rs in reasons.items() if not rs)
+  if requested == backends.AUTO:
+    considered = []
+    for name in backends.AUTO_ORDER:
+      if not reasons[name]:
+        return Plan(requested, name, {n: reasons[n] for n in considered}, runnable, call)
+      considered.append(name)
+    return Plan(requested, None, {n: reasons[n] for n in considered}, runnable, call)
+  chosen = requested if not reasons[requested] else None
+  return Plan(requested, chosen, {requested: reasons[requested]} if reasons[requested] else {}, runnable, call)

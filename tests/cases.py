@@ -1,0 +1,61 @@
+"""The shared numerics matrix: MHA/GQA/MQA x causal x mask x dtype, checked against tests/reference.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attnlayers
+from tests import reference
+
+HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}  # name -> (N, K)
+
+
+def matrix(dtypes):
+  """pytest params: (heads, causal, masked, dtype) with readable ids like 'GQA-causal-mask-bfloat16'."""
+  rows = itertools.product(HEADS, (False, True), (False, True), dtypes)
+  return [dict(heads=h, causal=c, masked=m, dtype=d) for h, c, m, d in rows]
+
+
+def case_id(case: dict) -> str:
+  return "-".join([case["heads"], "causal" if case["causal"] else "full", "mask" if case["masked"] else "nomask",
+                   np.dtype(case["dtype"]).name])
+
+
+def inputs(case: dict, *, B=2, T=16, S=16, H=16, seed=0):
+  """q (B, T, N, H), k/v (B, S, K, H), dout (B, T, N, H), mask (B, 1, T, S) or None."""
+  N, K = HEADS[case["heads"]]
+  kq, kk, kv, kd, km = jax.random.split(jax.random.key(seed), 5)
+  dtype = case["dtype"]
+  q = jax.random.normal(kq, (B, T, N, H)).astype(dtype)
+  k = jax.random.normal(kk, (B, S, K, H)).astype(dtype)
+  v = jax.random.normal(kv, (B, S, K, H)).astype(dtype)
+  dout = jax.random.normal(kd, (B, T, N, H)).astype(jnp.float32)
+  mask = None
+  if case["masked"]:
+    mask = jax.random.bernoulli(km, 0.7, (B, 1, T, S)).at[..., 0].set(True)  # no row fully masked
+  return q, k, v, dout, mask
+
+
+def check(backend: str, case: dict, **shape):
+  """Outputs and q/k/v gradients of `backend` against the float64 reference."""
+  q, k, v, dout, mask = inputs(case, **shape)
+  causal, dtype = case["causal"], case["dtype"]
+
+  def loss(q, k, v):
+    out = attnlayers.attention(q, k, v, backend=backend, is_causal=causal, mask=mask)
+    return jnp.sum(out.astype(jnp.float32) * dout), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  assert out.dtype == q.dtype and out.shape == q.shape
+  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+  m = None if mask is None else np.asarray(mask)
+  want, _ = reference.forward(f64(q), f64(k), f64(v), mask=m, is_causal=causal)
+  reference.assert_close(out, want, dtype, "out", f"{backend} output")
+  want_grads = reference.gradients(f64(q), f64(k), f64(v), np.asarray(dout), mask=m, is_causal=causal)
+  for name, got, ref in zip("qkv", grads, want_grads):
+    assert got.dtype == q.dtype
+    reference.assert_close(got, ref, dtype, "grad", f"{backend} d{name}")

@@ -1,0 +1,79 @@
+"""The float64 numpy reference for attention, its gradients, and the per-dtype tolerances.
+
+Every backend's outputs and gradients are compared with these, on float32 copies, with
+tolerances chosen here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# (atol, rtol) per dtype and quantity, against the float64 reference. bfloat16 keeps 8
+# mantissa bits (relative step 2^-8 = 0.0039): q/k/v rounding plus a bf16 output and bf16
+# weights in the values matmul give errors of a few steps on O(1) values.
+TOLERANCES = {
+    ("float32", "out"): (5e-6, 5e-6),
+    ("float32", "grad"): (1e-5, 1e-5),
+    ("bfloat16", "out"): (2e-2, 2e-2),
+    ("bfloat16", "grad"): (4e-2, 4e-2),
+    ("float16", "out"): (3e-3, 3e-3),
+    ("float16", "grad"): (6e-3, 6e-3),
+}
+
+
+def tolerance(dtype, kind: str = "out") -> dict:
+  atol, rtol = TOLERANCES[(np.dtype(dtype).name, kind)]
+  return dict(atol=atol, rtol=rtol)
+
+
+def assert_close(actual, expected, dtype, kind: str = "out", what: str = ""):
+  np.testing.assert_allclose(np.asarray(actual, dtype=np.float32), np.asarray(expected, dtype=np.float32),
+                             err_msg=what, **tolerance(dtype, kind))
+
+
+def allowed(T, S, mask=None, is_causal=False):
+  keep = np.ones((T, S), dtype=bool)
+  if is_causal:
+    keep = np.tril(keep)
+  if mask is not None:
+    keep = np.logical_and(keep, np.asarray(mask, dtype=bool))
+  return keep  # broadcasts to (B, N, T, S)
+
+
+def _expand_kv(x, N):
+  """(B, S, K, H) -> (B, N, S, H) with query head n reading kv head n // (N // K)."""
+  x = np.asarray(x, np.float64)
+  return np.repeat(x, N // x.shape[2], axis=2).transpose(0, 2, 1, 3)
+
+
+def forward(q, k, v, *, mask=None, is_causal=False, scale=None):
+  """Returns (out (B, T, N, H), probabilities (B, N, T, S)) in float64."""
+  q = np.asarray(q, np.float64)
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  scale = 1.0 / np.sqrt(H) if scale is None else scale
+  kx, vx = _expand_kv(k, N), _expand_kv(v, N)  # (B, N, S, H)
+  scores = np.einsum("btnh,bnsh->bnts", q, kx) * scale
+  keep = np.broadcast_to(allowed(T, S, mask, is_causal), scores.shape)
+  scores = np.where(keep, scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bnts,bnsh->btnh", p, vx), p
+
+
+def gradients(q, k, v, dout, *, mask=None, is_causal=False, scale=None):
+  """d(sum(out * dout)) / d(q, k, v) in float64, by the textbook softmax backward."""
+  q64 = np.asarray(q, np.float64)
+  B, T, N, H = q64.shape
+  K = k.shape[2]
+  scale = 1.0 / np.sqrt(H) if scale is None else scale
+  _, p = forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
+  kx, vx = _expand_kv(k, N), _expand_kv(v, N)  # (B, N, S, H)
+  g = np.asarray(dout, np.float64).transpose(0, 2, 1, 3)  # (B, N, T, H)
+  dp = g @ vx.transpose(0, 1, 3, 2)  # (B, N, T, S)
+  ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+  dq = (ds @ kx) * scale  # (B, N, T, H)
+  dk = (ds.transpose(0, 1, 3, 2) @ q64.transpose(0, 2, 1, 3)) * scale  # (B, N, S, H)
+  dv = p.transpose(0, 1, 3, 2) @ g  # (B, N, S, H)
+  fold = lambda x: x.reshape(B, K, N // K, *x.shape[2:]).sum(2).transpose(0, 2, 1, 3)  # (B, S, K, H)
+  return dq.transpose(0, 2, 1, 3), fold(dk), fold(dv)

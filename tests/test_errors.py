@@ -1,0 +1,115 @@
+"""Bad input and unavailable backends: one clear error naming the values and what would work."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import attnlayers
+from attnlayers.device import has_module
+from attnlayers.nnx import MultiHeadAttention
+
+q = jnp.zeros((2, 8, 6, 16))
+kv = jnp.zeros((2, 8, 2, 16))
+on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU-side availability errors")
+
+
+def test_heads_not_divisible():
+  k = jnp.zeros((2, 8, 4, 16))
+  with pytest.raises(ValueError, match=re.escape("num_heads N (6) must be divisible by num_kv_heads K (4)")):
+    attnlayers.attention(q, k, k)
+
+
+def test_layer_heads_not_divisible():
+  with pytest.raises(ValueError, match=re.escape("num_heads (6) must be divisible by num_kv_heads (4)")):
+    MultiHeadAttention(6, 48, num_kv_heads=4, rngs=nnx.Rngs(0))
+
+
+def test_rank_mismatch():
+  with pytest.raises(ValueError, match=r"must be rank 4.*k has shape \(8, 2, 16\)"):
+    attnlayers.attention(q, kv[0], kv[0])
+
+
+def test_head_dim_mismatch():
+  with pytest.raises(ValueError, match=r"head dims differ: q \(2, 8, 6, 16\) has H=16, k \(2, 8, 2, 32\) has H=32"):
+    attnlayers.attention(q, jnp.zeros((2, 8, 2, 32)), jnp.zeros((2, 8, 2, 32)))
+
+
+def test_k_v_shape_mismatch():
+  with pytest.raises(ValueError, match=r"k and v must have the same shape"):
+    attnlayers.attention(q, kv, jnp.zeros((2, 9, 2, 16)))
+
+
+def test_dtype_mismatch():
+  with pytest.raises(ValueError, match=r"share one dtype; got float32, bfloat16, float32"):
+    attnlayers.attention(q, kv.astype(jnp.bfloat16), kv)
+
+
+def test_mask_wrong_shape():
+  mask = jnp.ones((2, 1, 8, 9), dtype=bool)
+  with pytest.raises(ValueError, match=r"mask of shape \(2, 1, 8, 9\) does not broadcast to \(B, N, T, S\) = "
+                                       r"\(2, 6, 8, 8\); mismatched dims S: 9 \(expected 1 or 8\)"):
+    attnlayers.attention(q, kv, kv, mask=mask)
+
+
+def test_mask_not_boolean():
+  with pytest.raises(ValueError, match=r"mask must be boolean \(True = may attend\); got float32"):
+    attnlayers.attention(q, kv, kv, mask=jnp.ones((8, 8)))
+
+
+def test_unknown_backend_lists_known():
+  with pytest.raises(ValueError, match=r"unknown attention backend 'flash'; known backends: auto, naive, xla, cudnn, te, te-fp8"):
+    attnlayers.attention(q, kv, kv, backend="flash")
+  with pytest.raises(ValueError, match="known backends"):
+    MultiHeadAttention(6, 96, backend="flash", rngs=nnx.Rngs(0))
+
+
+@on_cpu
+def test_cudnn_on_cpu_float32_names_each_constraint():
+  with pytest.raises(attnlayers.BackendUnavailableError) as err:
+    attnlayers.attention(q, kv, kv, backend="cudnn")
+  message = str(err.value)
+  assert "needs an NVIDIA GPU with compute capability >= 8.0; jax's default device is cpu" in message
+  assert "needs float16 or bfloat16 q/k/v; got float32" in message
+  assert "backends that can run this call here: naive, xla" in message
+  assert err.value.backend == "cudnn" and len(err.value.reasons) == 2
+
+
+@on_cpu
+def test_cudnn_on_cpu_bfloat16_names_only_the_platform():
+  with pytest.raises(attnlayers.BackendUnavailableError) as err:
+    attnlayers.attention(q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), backend="cudnn")
+  assert len(err.value.reasons) == 1 and "NVIDIA GPU" in err.value.reasons[0]
+
+
+@on_cpu
+@pytest.mark.skipif(has_module("transformer_engine"), reason="TransformerEngine is installed here")
+@pytest.mark.parametrize("backend", ["te", "te-fp8"])
+def test_te_without_transformer_engine_says_how_to_install(backend):
+  with pytest.raises(attnlayers.BackendUnavailableError) as err:
+    attnlayers.attention(q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), backend=backend)
+  message = str(err.value)
+  assert "TransformerEngine is not installed: pip install 'attnlayers[te]'" in message
+  assert "NVIDIA GPU" in message
+
+
+def test_fused_backend_refuses_weights_and_dropout():
+  with pytest.raises(attnlayers.BackendUnavailableError, match="only 'naive' can"):
+    attnlayers.attention(q, kv, kv, backend="xla", return_weights=True)
+  with pytest.raises(attnlayers.BackendUnavailableError, match="no dropout"):
+    attnlayers.attention(q, kv, kv, backend="xla", dropout_rate=0.1, dropout_rng=jax.random.key(0))
+
+
+def test_auto_reports_its_choice():
+  plan = attnlayers.explain("auto", q, kv, kv, is_causal=True)
+  expected = "cudnn" if plan.call.device.is_cuda else "xla"
+  assert plan.chosen == ("xla" if q.dtype == jnp.float32 else expected)
+  assert f"auto chose '{plan.chosen}'" in str(plan)
+  assert attnlayers.explain("auto", q, kv, kv, return_weights=True).chosen == "naive"
+
+
+def test_dropout_needs_rng():
+  with pytest.raises(ValueError, match="needs a dropout_rng"):
+    attnlayers.attention(q, kv, kv, backend="naive", dropout_rate=0.1)

@@ -1,0 +1,143 @@
+"""attnlayers.nnx.MultiHeadAttention against flax.nnx.MultiHeadAttention and itself across backends."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import attnlayers
+from attnlayers.flax_attention import BackendAttention
+from attnlayers.nnx import MultiHeadAttention
+from tests import reference
+
+D = 32  # model width
+
+
+def pair(**kwargs):
+  """(ours, Flax's) built from the same arguments and rngs."""
+  args = dict(num_heads=4, in_features=D, decode=False) | kwargs
+  backend = args.pop("backend", "xla")
+  return MultiHeadAttention(**args, backend=backend, rngs=nnx.Rngs(0)), nnx.MultiHeadAttention(**args, rngs=nnx.Rngs(0))
+
+
+def x_and_mask(shape=(2, 8)):
+  x = jax.random.normal(jax.random.key(1), (*shape, D))
+  mask = jax.random.bernoulli(jax.random.key(2), 0.7, (*shape[:-1], 1, shape[-1], shape[-1])).at[..., 0].set(True)
+  return x, mask.astype(jnp.float32)  # Flax-style float mask, nonzero = attend
+
+
+def params_of(layer):
+  return nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_equals_flax_from_identical_init(kv_heads, causal, masked):
+  ours, flax = pair(num_kv_heads=kv_heads)
+  jax.tree.map(np.testing.assert_array_equal, params_of(ours), params_of(flax))
+  x, mask = x_and_mask()
+  mask = mask if masked else None
+  np.testing.assert_array_equal(ours(x, mask=mask, is_causal=causal), flax(x, mask=mask, is_causal=causal))
+
+
+def test_equals_flax_with_options():
+  """normalize_qk, separate in/out/qkv sizes, cross attention, bfloat16 compute, two batch dims."""
+  kwargs = dict(num_kv_heads=2, qkv_features=48, out_features=24, in_kv_features=16, normalize_qk=True,
+                dtype=jnp.bfloat16, use_bias=False)
+  ours, flax = pair(**kwargs)
+  xq = jax.random.normal(jax.random.key(3), (2, 3, 8, D))
+  xkv = jax.random.normal(jax.random.key(4), (2, 3, 5, 16))
+  np.testing.assert_array_equal(ours(xq, xkv), flax(xq, xkv))
+  assert ours(xq, xkv).shape == (2, 3, 8, 24)
+
+
+def test_construction_time_is_causal():
+  _, flax = pair()
+  causal = MultiHeadAttention(4, D, decode=False, backend="xla", is_causal=True, rngs=nnx.Rngs(0))
+  x, _ = x_and_mask()
+  np.testing.assert_array_equal(causal(x), flax(x, is_causal=True))
+  np.testing.assert_array_equal(causal(x, is_causal=False), flax(x))  # the call's value wins
+
+
+@pytest.mark.parametrize("backend", ["naive", "xla", "auto"])
+def test_backends_share_parameters_and_numbers(backend):
+  ref = MultiHeadAttention(4, D, num_kv_heads=2, decode=False, backend="naive", rngs=nnx.Rngs(0))
+  other = MultiHeadAttention(4, D, num_kv_heads=2, decode=False, backend=backend, rngs=nnx.Rngs(7))
+  assert jax.tree.map(jnp.shape, params_of(ref)) == jax.tree.map(jnp.shape, params_of(other))
+  nnx.update(other, nnx.state(ref, nnx.Param))  # a checkpoint of one backend loads into another
+  x, mask = x_and_mask()
+  reference.assert_close(other(x, mask=mask, is_causal=True), ref(x, mask=mask, is_causal=True), jnp.float32)
+
+
+def test_every_backend_builds_the_same_tree():
+  trees = {b: jax.tree.map(jnp.shape, params_of(MultiHeadAttention(4, D, num_kv_heads=2, backend=b, rngs=nnx.Rngs(0))))
+           for b in attnlayers.BACKENDS}
+  assert all(t == trees["auto"] for t in trees.values())
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["MHA", "MQA"])
+def test_decode_with_cache_equals_causal_forward(kv_heads):
+  layer = MultiHeadAttention(4, D, num_kv_heads=kv_heads, decode=False, is_causal=True, rngs=nnx.Rngs(0))
+  x, _ = x_and_mask()
+  full = layer(x)
+  layer.init_cache(x.shape)
+  steps = [layer(x[:, t:t + 1], decode=True) for t in range(x.shape[1])]
+  reference.assert_close(jnp.concatenate(steps, axis=1), full, jnp.float32, what="decode vs full")
+  assert int(layer.cache_index[...]) == x.shape[1]
+
+
+def test_sow_weights_matches_flax():
+  ours, flax = pair(num_kv_heads=2, backend="auto")
+  x, mask = x_and_mask()
+  a, b = ours(x, mask=mask, sow_weights=True), flax(x, mask=mask, sow_weights=True)
+  reference.assert_close(a, b, jnp.float32)
+  wa = nnx.state(ours, nnx.Intermediate)["attention_weights"]
+  wb = nnx.state(flax, nnx.Intermediate)["attention_weights"]
+  reference.assert_close(wa[0], wb[0], jnp.float32, what="sown weights")
+  assert wa[0].shape == (2, 4, 8, 8)
+
+
+def test_sow_weights_on_a_fused_backend_raises():
+  ours, _ = pair(backend="xla")
+  with pytest.raises(attnlayers.BackendUnavailableError, match="only 'naive' can"):
+    ours(x_and_mask()[0], sow_weights=True)
+
+
+def test_dropout_matches_flax():
+  ours, flax = pair(dropout_rate=0.5, deterministic=False, backend="auto")
+  x, _ = x_and_mask()
+  a, b = ours(x, rngs=nnx.Rngs(dropout=5)), flax(x, rngs=nnx.Rngs(dropout=5))
+  reference.assert_close(a, b, jnp.float32)
+  assert not np.allclose(a, ours(x, deterministic=True))  # dropout changed something
+
+
+def test_custom_attention_fn_is_used():
+  calls = []
+
+  def spy(query, key, value, **kwargs):
+    calls.append(query.shape)
+    return jnp.zeros_like(query)
+
+  layer = MultiHeadAttention(4, D, decode=False, attention_fn=spy, rngs=nnx.Rngs(0))
+  out = layer(x_and_mask()[0])
+  assert calls == [(2, 8, 4, 8)]
+  np.testing.assert_array_equal(out, jnp.broadcast_to(layer.out.bias[...], out.shape))
+  with pytest.raises(ValueError, match="either attention_fn= or backend="):
+    MultiHeadAttention(4, D, attention_fn=spy, backend="xla", rngs=nnx.Rngs(0))
+
+
+def test_backend_attention_plugs_into_flax_class():
+  _, flax = pair()
+  plugged = nnx.MultiHeadAttention(4, D, decode=False, attention_fn=BackendAttention("naive"), rngs=nnx.Rngs(0))
+  x, mask = x_and_mask()
+  reference.assert_close(plugged(x, mask=mask), flax(x, mask=mask), jnp.float32)
+
+
+def test_jit_and_grad_through_layer():
+  layer = MultiHeadAttention(4, D, num_kv_heads=2, decode=False, is_causal=True, rngs=nnx.Rngs(0))
+  x, _ = x_and_mask()
+  grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)))(layer, x)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+  assert float(jnp.abs(grads["query"]["kernel"][...]).sum()) > 0
