@@ -7,12 +7,24 @@ a row per backend: ok with max |difference| to naive, or every reason it cannot 
 from __future__ import annotations
 
 import argparse
+import re
 
 import jax
 import jax.numpy as jnp
 
 import attnlayers
 from attnlayers import backends
+
+
+FUSED = re.compile(r'custom_call_target="([^"]*(?:fmha|fused_attn|FusedAttn)[^"]*)"')
+
+
+def fused_kernels(backend: str, q, k, v, causal: bool) -> list[str]:
+  """Fused-attention custom calls in the compiled HLO of a forward+backward step."""
+  def step(q, k, v):
+    attend = lambda q, k, v: attnlayers.attention(q, k, v, backend=backend, is_causal=causal).astype(jnp.float32)
+    return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v) ** 2), (0, 1, 2))(q, k, v)
+  return sorted(set(FUSED.findall(jax.jit(step).lower(q, k, v).compile().as_text())))
 
 
 def main(argv=None) -> None:
@@ -24,6 +36,8 @@ def main(argv=None) -> None:
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
   p.add_argument("--no-causal", dest="causal", action="store_false")
+  p.add_argument("--show-kernels", action="store_true",
+                 help="list the fused-attention custom calls in each backend's compiled forward and backward HLO")
   a = p.parse_args(argv)
   kq, kk, kv = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(kq, (a.batch, a.seq_len, a.heads, a.head_dim)).astype(a.dtype)  # (B, T, N, H)
@@ -41,6 +55,8 @@ def main(argv=None) -> None:
     out = attnlayers.attention(q, k, v, backend=name, is_causal=a.causal).astype(jnp.float32)
     ran = f" (ran {plan.chosen})" if name == backends.AUTO else ""
     print(f"{name:>7}  ok{ran}  max|out - naive| = {float(jnp.abs(out - ref).max()):.3g}")
+    if a.show_kernels:
+      print(f"{'':>9}kernels: {', '.join(fused_kernels(name, q, k, v, a.causal)) or 'none (plain XLA ops)'}")
 
 
 if __name__ == "__main__":
