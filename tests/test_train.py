@@ -1,0 +1,156 @@
+"""The training loop on CPU: learning, data parallelism, kill -9 and resume, divergence, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import models
+from train import data, loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
+         "--eval-every", "0", "--log-every", "1"]
+
+
+def train_cli(*args, devices: int = 1, wait: bool = True):
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  if not wait:
+    return proc
+  out, err = proc.communicate(timeout=600)
+  return proc.returncode, out, err
+
+
+def losses(path) -> dict[int, float]:
+  """step -> loss; a resumed run's later line for a step replaces the earlier one."""
+  rows = [json.loads(line) for line in open(path)]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r and "step" in r}
+
+
+def test_loss_falls_on_tiny():
+  cfg = loop.TrainConfig(model=models.preset("tiny", seq_len=64), steps=60, batch_size=8, lr=3e-3, warmup=10,
+                         eval_every=60, log_every=10, sample_tokens=20, progress=False)
+  summary = loop.run(cfg)
+  assert summary["final_loss"] < 3.2 < np.log(256)  # uniform guessing over bytes is 5.55
+  assert len(summary["sample"]) > 0 and summary["tokens_per_s"] > 0 and summary["mfu"] is None
+
+
+def test_data_parallel_on_4_devices_matches_1(tmp_path):
+  for n in (1, 4):
+    rc, _, err = train_cli(*SMALL, "--steps", "8", "--metrics", str(tmp_path / f"{n}.jsonl"), devices=n)
+    assert rc == 0, err
+  one, four = losses(tmp_path / "1.jsonl"), losses(tmp_path / "4.jsonl")
+  assert sorted(one) == list(range(1, 9))
+  # the same global batch; only the order of the gradient all-reduce differs
+  np.testing.assert_allclose([four[s] for s in one], list(one.values()), rtol=2e-5)
+
+
+def test_kill_9_then_rerun_resumes_bitwise(tmp_path):
+  args = [*SMALL, "--steps", "60", "--ckpt-every", "10"]
+  rc, _, err = train_cli(*args, "--ckpt-dir", str(tmp_path / "a"), "--metrics", str(tmp_path / "a.jsonl"))
+  assert rc == 0, err
+  killed = [*args, "--ckpt-dir", str(tmp_path / "b"), "--metrics", str(tmp_path / "b.jsonl")]
+  proc = train_cli(*killed, wait=False)
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if (tmp_path / "b.jsonl").exists() and max(losses(tmp_path / "b.jsonl"), default=0) >= 15:
+      break
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.communicate()
+  reached = max(losses(tmp_path / "b.jsonl"))
+  assert proc.returncode == -signal.SIGKILL and 15 <= reached < 60, f"killed at step {reached}"
+  rc, out, err = train_cli(*killed)
+  assert rc == 0, err
+  resumed_at = int(out.split("resumed from")[1].split("at step")[1].split()[0])
+  assert 10 <= resumed_at <= reached
+  a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
+  after = range(resumed_at + 1, 61)
+  assert [b[s] for s in after] == [a[s] for s in after]  # bitwise
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
+  ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "5"]
+  rc, _, err = train_cli(*SMALL, "--steps", "10", *ckpt)
+  assert rc == 0, err
+  rc, _, err = train_cli(*SMALL, "--steps", "30", "--lr", "1e30", *ckpt)
+  assert rc == 2
+  assert "loss is nan at step" in err or "loss is inf at step" in err, err
+  assert "the last good checkpoint, step 10" in err and "untouched" in err
+  rc, out, err = train_cli(*SMALL, "--steps", "12", *ckpt)
+  assert rc == 0 and "at step 10" in out, err
+
+
+def test_resume_with_other_model_config_is_an_error(tmp_path):
+  ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "2"]
+  assert train_cli(*SMALL, "--steps", "2", *ckpt)[0] == 0
+  rc, _, err = train_cli(*SMALL, "--steps", "4", "--kv-heads", "4", *ckpt)
+  assert rc == 2 and "cannot resume" in err and "model.n_kv_head: checkpoint 2, now 4" in err, err
+
+
+def test_resume_with_other_backend_is_allowed(tmp_path):
+  ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "2"]
+  assert train_cli(*SMALL, "--steps", "2", "--attn", "xla", *ckpt)[0] == 0
+  rc, out, err = train_cli(*SMALL, "--steps", "4", "--attn", "naive", *ckpt)
+  assert rc == 0 and "at step 2" in out, err
+
+
+def _file(name, content: bytes):
+  def make(d):
+    (d / name).write_bytes(content)
+    return str(d / name)
+  return make
+
+
+def _empty_folder(d):
+  (d / "e").mkdir()
+  return str(d / "e")
+
+
+def _bad_shard(d):
+  (d / "x.bin").write_bytes(np.zeros(300, np.int32).tobytes())
+  return str(d / "*.bin")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: str(d / "missing.txt"), "no such file or folder"),
+    (_file("empty.txt", b""), "is empty"),
+    (_empty_folder, "empty folder"),
+    (_file("short.txt", b"hi"), "too little for seq_len"),
+    (_bad_shard, "not an llm.c token shard: header magic 0, expected 20240520"),
+], ids=["missing", "empty-file", "empty-folder", "too-short", "bad-shard"])
+def test_bad_data_is_a_clear_error(tmp_path, make, message):
+  rc, _, err = train_cli(*SMALL, "--steps", "1", "--data", make(tmp_path))
+  assert rc == 2 and message in err, err
+
+
+def write_shard(path, tokens):
+  header = np.zeros(256, np.int32)
+  header[:3] = (data.SHARD_MAGIC, 1, len(tokens))
+  path.write_bytes(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
+
+
+def test_token_shards_are_read_and_batches_are_deterministic(tmp_path):
+  write_shard(tmp_path / "train_000.bin", np.arange(1000) % 50000)
+  write_shard(tmp_path / "val_000.bin", np.arange(500) + 7)
+  ds = data.load(str(tmp_path / "*.bin"), 16)
+  assert ds.vocab_size == 50257 and len(ds.train) == 1 and len(ds.val) == 1
+  x, y = ds.batch("train", 3, 5, 4, 16)
+  np.testing.assert_array_equal(y[:, :-1], x[:, 1:])  # targets are inputs shifted by one
+  np.testing.assert_array_equal(np.diff(x, axis=1), 1)  # consecutive ids from the arange shard
+  np.testing.assert_array_equal(x, ds.batch("train", 3, 5, 4, 16)[0])
+  assert not np.array_equal(x, ds.batch("train", 3, 6, 4, 16)[0])
+
+
+def test_embedded_corpus_is_split_by_file():
+  ds = data.load(None, 128)
+  assert len(ds.train) > 50 and len(ds.val) > 5 and ds.vocab_size == 256
+  assert not any(v is t for v in ds.val for t in ds.train)

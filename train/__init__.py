@@ -1,0 +1,1 @@
+"""Training loop for models.GPT: `python -m train --help`."""

@@ -1,0 +1,121 @@
+"""Training data, all offline, with batches that depend only on (seed, step).
+
+Sources (`--data`):
+  (default)     the Python standard library's own .py files read as bytes: present on
+                every machine, no download; every 10th file (sorted) is held out.
+  PATH          a text file or a folder of text files, byte-level (vocab 256); a
+                folder splits by file like the default, a single file keeps its last 10%.
+  'DIR/*.bin'   llm.c / modded-nanogpt GPT-2 token shards (256 x int32 header, magic
+                20240520, version 1, token count; then uint16 tokens), memory-mapped.
+                Files with 'val' in the name are held out; without any, the last shard is.
+
+Batch b of step s is drawn from numpy's generator seeded with (seed, split, s), so a run
+resumed at step s sees exactly the batches the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import sysconfig
+
+import numpy as np
+
+SHARD_MAGIC = 20240520
+SHARD_HEADER_INTS = 256
+
+
+@dataclasses.dataclass
+class Dataset:
+  name: str  # for logs
+  vocab_size: int  # smallest model vocab that covers every token id
+  train: list[np.ndarray]  # 1-d token arrays (uint8 bytes or uint16 GPT-2 ids), each >= seq_len + 1 long
+  val: list[np.ndarray]
+
+  def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets), each (batch_size, seq_len) int32; targets are inputs shifted by one."""
+    docs = self.train if split == "train" else self.val
+    lengths = np.array([len(d) - seq_len - 1 for d in docs])
+    rng = np.random.default_rng([seed, 0 if split == "train" else 1, step])
+    which = rng.choice(len(docs), size=batch_size, p=lengths / lengths.sum())
+    starts = rng.integers(0, lengths[which] + 1)
+    rows = np.stack([docs[d][s:s + seq_len + 1] for d, s in zip(which, starts)]).astype(np.int32)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _usable(arrays: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
+  return [a for a in arrays if len(a) > seq_len + 1]
+
+
+def _split_bytes(name: str, files: list[str], seq_len: int) -> Dataset:
+  texts = [np.fromfile(f, dtype=np.uint8) for f in sorted(files)]
+  if len(texts) >= 10:
+    train = [t for i, t in enumerate(texts) if i % 10 != 9]
+    val = [t for i, t in enumerate(texts) if i % 10 == 9]
+  else:  # too few files to hold some out: keep the last 10% of the bytes
+    stream = np.concatenate(texts) if texts else np.zeros(0, np.uint8)
+    cut = int(len(stream) * 0.9)
+    train, val = [stream[:cut]], [stream[cut:]]
+  train, val = _usable(train, seq_len), _usable(val, seq_len)
+  if not train or not val:
+    total = sum(len(t) for t in texts)
+    raise ValueError(f"{name}: {total} bytes in {len(texts)} file(s) is too little for seq_len {seq_len}; "
+                     f"train and validation each need a text longer than {seq_len + 1} bytes")
+  return Dataset(name, 256, train, val)
+
+
+def read_shard(path: str) -> np.ndarray:
+  """The uint16 tokens of one llm.c shard, memory-mapped; a clear error for a bad header."""
+  with open(path, "rb") as f:
+    header = np.frombuffer(f.read(SHARD_HEADER_INTS * 4), dtype=np.int32)
+  if len(header) < 3 or header[0] != SHARD_MAGIC:
+    got = int(header[0]) if len(header) else None
+    raise ValueError(f"{path}: not an llm.c token shard: header magic {got}, expected {SHARD_MAGIC} "
+                     "(256 int32 header: magic, version, token count; then uint16 tokens)")
+  if header[1] != 1:
+    raise ValueError(f"{path}: unsupported shard version {int(header[1])}; expected 1")
+  n = int(header[2])
+  size = os.path.getsize(path)
+  if size != SHARD_HEADER_INTS * 4 + 2 * n:
+    raise ValueError(f"{path}: header says {n} tokens ({SHARD_HEADER_INTS * 4 + 2 * n} bytes) but the file has {size} bytes")
+  return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(n,))
+
+
+def _shards(pattern: str, seq_len: int) -> Dataset:
+  paths = sorted(glob.glob(pattern))
+  if not paths:
+    raise FileNotFoundError(f"--data {pattern!r} matches no files")
+  shards = {p: read_shard(p) for p in paths}  # every header checked before anything else
+  val_paths = [p for p in paths if "val" in os.path.basename(p)] or paths[-1:]
+  train_paths = [p for p in paths if p not in val_paths]
+  if not train_paths:
+    raise ValueError(f"--data {pattern!r}: {len(paths)} shard(s), none left for training after holding out "
+                     f"{', '.join(val_paths)} for validation; give at least two shards")
+  train = _usable([shards[p] for p in train_paths], seq_len)
+  val = _usable([shards[p] for p in val_paths], seq_len)
+  if not train or not val:
+    raise ValueError(f"--data {pattern!r}: shards too short for seq_len {seq_len}")
+  return Dataset(pattern, 50257, train, val)
+
+
+def stdlib_files() -> list[str]:
+  root = sysconfig.get_paths()["stdlib"]
+  return sorted(glob.glob(os.path.join(root, "*.py")))
+
+
+def load(spec: str | None, seq_len: int) -> Dataset:
+  if spec is None:
+    return _split_bytes("python-stdlib", stdlib_files(), seq_len)
+  if spec.endswith(".bin"):
+    return _shards(spec, seq_len)
+  if os.path.isdir(spec):
+    files = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(p))
+    if not files:
+      raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
+    return _split_bytes(spec, files, seq_len)
+  if os.path.isfile(spec):
+    if os.path.getsize(spec) == 0:
+      raise ValueError(f"--data {spec!r} is empty")
+    return _split_bytes(spec, [spec], seq_len)
+  raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")
