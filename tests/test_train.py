@@ -40,7 +40,7 @@ def test_loss_falls_on_tiny():
                          eval_every=60, log_every=10, sample_tokens=20, progress=False)
   summary = loop.run(cfg)
   assert summary["final_loss"] < 3.2 < np.log(256)  # uniform guessing over bytes is 5.55
-  assert len(summary["sample"]) > 0 and summary["tokens_per_s"] > 0 and summary["mfu"] is None
+  assert len(summary["sample"]) > 0 and summary["tokens_per_s"] > 0
 
 
 def test_data_parallel_on_4_devices_matches_1(tmp_path):

@@ -36,6 +36,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--sample-tokens", type=int, default=200)
   p.add_argument("--peak-tflops", type=float, help="device bf16 peak for MFU, if not in the built-in table")
   p.add_argument("--no-progress", dest="progress", action="store_false")
+  p.add_argument("--profile-dir", help="write a profiler trace of steps 11-15 here (perfetto_trace.json.gz + xplane)")
   p.add_argument("--coordinator-address", help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
   p.add_argument("--num-processes", type=int)
   p.add_argument("--process-id", type=int)
@@ -51,7 +52,8 @@ def main(argv=None) -> None:
   cfg = loop.TrainConfig(
       model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
       ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,
-      metrics=a.metrics, sample_tokens=a.sample_tokens, peak_tflops=a.peak_tflops, progress=a.progress)
+      metrics=a.metrics, sample_tokens=a.sample_tokens, peak_tflops=a.peak_tflops, progress=a.progress,
+      profile_dir=a.profile_dir)
   print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   try:
     summary = loop.run(cfg)

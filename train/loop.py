@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -43,6 +44,7 @@ class TrainConfig:
   sample_tokens: int = 200  # printed at the end; 0 = none
   peak_tflops: float | None = None  # override the device's bf16 peak for MFU
   progress: bool = True
+  profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of steps 11-15 here
 
 
 def _loss(graphdef, params, x, y, dropout_key):
@@ -80,8 +82,9 @@ def run(cfg: TrainConfig) -> dict:
     state, _ = ckpts.restore(start, state, meta)
     print(f"resumed from {ckpts.directory} at step {start}")
 
-  @jax.jit
-  def train_step(state, x, y, key):
+  @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers hold the new one
+  def train_step(state, x, y, step):
+    key = jax.random.fold_in(jax.random.key(cfg.seed), step)  # dropout depends on (seed, step) only
     loss, grads = jax.value_and_grad(lambda p: _loss(graphdef, p, x, y, key))(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
@@ -115,9 +118,16 @@ def run(cfg: TrainConfig) -> dict:
   bar = tqdm(total=cfg.steps, initial=start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
   rates, first_step_s, last_t, last_step, loss, wrote_any = [], None, None, start, float("nan"), False
   try:
+    batch = put("train", start + 1)
     for step in range(start + 1, cfg.steps + 1):
-      x, y = put("train", step)
-      state, loss_arr = train_step(state, x, y, jax.random.fold_in(jax.random.key(cfg.seed), step))
+      if cfg.profile_dir and step == start + 11:
+        jax.profiler.start_trace(cfg.profile_dir, create_perfetto_trace=True)
+      state, loss_arr = train_step(state, *batch, step)
+      if step < cfg.steps:
+        batch = put("train", step + 1)  # the next batch is made while this step runs
+      if cfg.profile_dir and step == start + 15:
+        jax.block_until_ready(loss_arr)
+        jax.profiler.stop_trace()
       bar.update(1)
       if first_step_s is None:
         loss = float(loss_arr)

@@ -1,0 +1,62 @@
+"""The one timing helper for every benchmark, and the same-run matmul yardstick.
+
+Compile first, warm up, then time each call to completion with jax.block_until_ready;
+report the median with p10/p90. Absolute times drift between runs and machines, so
+results are also given as a ratio to an 8192^3 bf16 matmul timed in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  median_ms: float
+  p10_ms: float
+  p90_ms: float
+  calls: int
+
+
+def time_fn(fn, *args, warmup: int = 3, calls: int = 20) -> Timing:
+  jax.block_until_ready(fn(*args))  # compile
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(calls):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t) * 1e3)
+  p10, p50, p90 = np.percentile(times, [10, 50, 90])
+  return Timing(float(p50), float(p10), float(p90), calls)
+
+
+def matmul_tflops(n: int = 8192, dtype=jnp.bfloat16, calls: int = 20, chain: int = 10) -> float:
+  """TFLOP/s of an n^3 matmul on random data, as this process measures it now.
+
+  Each timed call runs `chain` dependent matmuls, so launch and sync overhead (~0.1 ms
+  against ~1.4 ms per matmul on an H100/H200) does not count against the rate.
+  """
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(ka, (n, n), dtype)
+  b = jax.random.normal(kb, (n, n), dtype) / n**0.5  # keeps the chained products O(1)
+
+  def chained(a, b):
+    return jax.lax.fori_loop(0, chain, lambda _, x: x @ b, a)
+
+  t = time_fn(jax.jit(chained), a, b, calls=calls)
+  return chain * 2 * n**3 / (t.median_ms * 1e-3) / 1e12
+
+
+def environment() -> dict:
+  import flax
+  dev = jax.devices()[0]
+  return {"jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
+          "device": getattr(dev, "device_kind", dev.platform), "devices": jax.device_count(),
+          "platform": dev.platform}

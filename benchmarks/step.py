@@ -1,0 +1,67 @@
+"""`python -m benchmarks.step`: where one GPT training step's time goes.
+
+Times, with the one timing helper, the forward pass with loss, forward + backward, and the
+whole step with the AdamW update, for one model and attention backend; the differences
+give backward and optimizer time. Also the output layer + loss alone (logits are the
+largest activation of a GPT-2-sized vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import attnlayers
+import models
+from benchmarks import common
+from train import optim
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.splitlines()[0])
+  p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto")
+  p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
+  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--batch-size", type=int, default=32)
+  a = p.parse_args(argv)
+  cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len)
+  graphdef, params = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  tx = optim.adamw(3e-4, 1000, 10)
+  opt_state = tx.init(params)
+  x = jax.random.randint(jax.random.key(1), (a.batch_size, a.seq_len), 0, cfg.vocab_size)
+  y = jnp.roll(x, -1, axis=1)
+
+  def loss(params, x, y):
+    logits = nnx.merge(graphdef, params)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  def step(params, opt_state, x, y):
+    l, g = jax.value_and_grad(loss)(params, x, y)
+    updates, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, l
+
+  h = jax.random.normal(jax.random.key(2), (a.batch_size, a.seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
+  wte = params["wte"]["embedding"][...]
+
+  def head_loss(wte, h, y):
+    logits = jnp.einsum("btd,vd->btv", h, wte.astype(h.dtype)).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  parts = {
+      "forward+loss": common.time_fn(jax.jit(loss), params, x, y),
+      "forward+backward": common.time_fn(jax.jit(jax.grad(loss)), params, x, y),
+      "step (with AdamW)": common.time_fn(jax.jit(step), params, opt_state, x, y),
+      "output layer+loss fwd+bwd": common.time_fn(jax.jit(jax.grad(head_loss, (0, 1))), wte, h, y),
+  }
+  print(json.dumps({"config": a.__dict__} | common.environment()))
+  for name, t in parts.items():
+    print(f"{name:>28}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")
+
+
+if __name__ == "__main__":
+  main()

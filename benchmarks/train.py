@@ -1,0 +1,86 @@
+"""`python -m benchmarks.train`: short GPT training runs per attention backend, side by side.
+
+Each run is its own `python -m train` process. For each backend: steps/s, tokens/s, MFU, model FLOP/s as a fraction of an 8192^3 bf16
+matmul measured in the same process, time to first step, peak memory and the loss after
+the run. A backend that cannot run is a row with its reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import attnlayers
+import models
+from benchmarks import common
+
+
+def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int) -> dict:
+  """One `python -m train` process per run, so compilation caches and peak memory are its own."""
+  row = {"backend": backend, "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "steps": steps}
+  cmd = [sys.executable, "-m", "train", "--attn", backend, "--preset", preset, "--seq-len", str(seq_len),
+         "--batch-size", str(batch_size), "--steps", str(steps), "--warmup", str(min(10, steps)),
+         "--eval-every", "0", "--log-every", str(max(1, steps // 6)), "--sample-tokens", "0", "--no-progress"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+  if proc.returncode != 0:
+    reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}"
+    unavailable = "cannot run" in proc.stderr
+    return row | {"status": "unavailable" if unavailable else "error", "reason": _reasons(proc.stderr) or reason}
+  s = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"event": "summary"')][-1])
+  model = models.preset(preset, seq_len=seq_len)
+  model_flops = s["tokens_per_s"] * models.flops_per_token(model, s["params"], seq_len)
+  return row | {"status": "ok", "steps_per_s": s["steps_per_s"], "tokens_per_s": s["tokens_per_s"],
+                "mfu": s["mfu"], "model_tflops": model_flops / 1e12,
+                "time_to_first_step_s": s["time_to_first_step_s"],
+                "peak_memory_gib": s["peak_memory_bytes"] and s["peak_memory_bytes"] / 2**30,
+                "final_loss": s["final_loss"]}
+
+
+def _reasons(stderr: str) -> str:
+  return "; ".join(line.strip()[2:] for line in stderr.splitlines() if line.strip().startswith("- "))
+
+
+def table(rows: list[dict]) -> str:
+  cols = ["backend", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s", "mfu", "vs_matmul",
+          "time_to_first_step_s", "peak_memory_gib", "final_loss"]
+  fmt = lambda v: f"{v:,.3f}" if isinstance(v, float) else str(v)
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+  lines += [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.splitlines()[0])
+  p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"])
+  p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
+  p.add_argument("--seq-len", type=int, nargs="+", default=[1024])
+  p.add_argument("--batch-size", type=int, default=32)
+  p.add_argument("--steps", type=int, default=40)
+  p.add_argument("--out", default="benchmarks/results", help="folder for train.json and train.md")
+  a = p.parse_args(argv)
+  rows = []
+  for seq_len in a.seq_len:
+    for backend in a.backends:
+      rows.append(run_one(backend, a.preset, seq_len, a.batch_size, a.steps))
+      print(json.dumps(rows[-1]), flush=True)
+  # after the runs: this process takes the GPU only once the children have let it go
+  matmul = common.matmul_tflops()
+  env = common.environment() | {"matmul_8192_bf16_tflops": matmul}
+  for r in rows:
+    if r["status"] == "ok":
+      r["vs_matmul"] = r["model_tflops"] / matmul
+  print(json.dumps(env), flush=True)
+  os.makedirs(a.out, exist_ok=True)
+  with open(os.path.join(a.out, "train.json"), "w") as f:
+    json.dump({"environment": env, "rows": rows}, f, indent=1)
+  with open(os.path.join(a.out, "train.md"), "w") as f:
+    f.write(table(rows) + "\n")
+  print(table(rows))
+
+
+if __name__ == "__main__":
+  main()
