@@ -1,0 +1,217 @@
+"""`python -m benchmarks.layer`: every attention backend per call, the codelab's sweeps as a tool.
+
+Sections (`--sections`): default (B4 T128 N8 H64: naive f32, xla f32/bf16, cudnn, te, te-fp8
+with max |difference| to naive f32), seq (T = 64 ... 16384), batch (B = 1 ... 16 at T=256
+and T=4096), heads (N=32 with K = 32, 8, 1 and KV-cache bytes per token), headdim (H = 32,
+64, 128, 256: who accepts what, and why not). Each for the forward and forward+backward
+pass; `default` also for the whole layer (projections + core).
+
+Every row: median/p10/p90 ms of >= 20 timed calls after compilation and warm-up (one
+helper, benchmarks.common), TFLOP/s (4 B N T S H forward, halved for causal, x3.5 for
+fwd+bwd; plus the projections for the layer), the fraction of an 8192^3 bf16 matmul
+timed in the same run, the compiled program's memory (arguments + outputs + temporaries),
+and a status: ok, unavailable (every reason), skipped (why), or error (the message).
+Writes layer.json, layer.csv, layer.md and PNG plots to --out. `--quick` is a CPU-sized
+subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tqdm.auto import tqdm
+
+import attnlayers
+from attnlayers.nnx import MultiHeadAttention
+from benchmarks import common, report
+
+BACKEND_DTYPES = [("naive", "bfloat16"), ("xla", "bfloat16"), ("cudnn", "bfloat16"), ("te", "bfloat16"),
+                  ("te-fp8", "bfloat16")]
+NAIVE_LIMIT_BYTES = 16 * 2**30  # naive materialises (B, N, T, S) float32 scores; larger rows are skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  section: str
+  backend: str
+  dtype: str
+  B: int
+  T: int
+  N: int
+  K: int
+  H: int
+  causal: bool
+  pass_: str  # "fwd" or "fwd+bwd"
+  level: str = "core"  # "core" (attnlayers.attention) or "layer" (projections + core)
+
+  def flops(self) -> float:
+    """4 B N T S H for the core (halved if causal); the layer adds its four projections.
+    fwd+bwd counts the core x3.5 (flash attention recomputes scores) and matmuls x3."""
+    bwd = self.pass_ == "fwd+bwd"
+    total = 4 * self.B * self.N * self.T * self.T * self.H * (0.5 if self.causal else 1.0) * (3.5 if bwd else 1.0)
+    if self.level == "layer":
+      D = self.N * self.H  # model width
+      proj = 2 * self.B * self.T * D * (2 * self.N + 2 * self.K) * self.H  # q, o: N heads; k, v: K heads
+      total += proj * (3.0 if bwd else 1.0)
+    return total
+
+
+def plan(quick: bool, sections: list[str]) -> list[Case]:
+  passes = ("fwd", "fwd+bwd")
+  cases = []
+  if "default" in sections:
+    for level in ("core", "layer"):
+      for backend, dtype in [("naive", "float32"), ("xla", "float32"), ("xla", "bfloat16"), ("cudnn", "bfloat16"),
+                             ("te", "bfloat16"), ("te-fp8", "bfloat16")]:
+        cases += [Case("default", backend, dtype, 4, 128, 8, 8, 64, False, p, level) for p in passes]
+  seqs = [64, 128, 256] if quick else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+  big = dict(N=4, K=4, H=32) if quick else dict(N=16, K=16, H=128)
+  if "seq" in sections:
+    cases += [Case("seq", b, d, 2, t, causal=c, pass_=p, **big) for t in seqs for c in (False, True)
+              for b, d in BACKEND_DTYPES for p in passes]
+  if "batch" in sections:
+    for t in ([64, 128] if quick else [256, 4096]):
+      cases += [Case(f"batch-T{t}", b, d, bs, t, causal=c, pass_=p, **big) for bs in ([1, 2] if quick else [1, 2, 4, 8, 16])
+                for c in (False, True) for b, d in BACKEND_DTYPES for p in passes]
+  if "heads" in sections:
+    N, T, H = (8, 128, 32) if quick else (32, 4096, 128)
+    cases += [Case("heads", b, d, 2, T, N, k, H, True, p) for k in (N, N // 4, 1) for b, d in BACKEND_DTYPES
+              for p in passes]
+  if "headdim" in sections:
+    T = 128 if quick else 1024
+    cases += [Case("headdim", b, d, 2, T, 8, 8, h, True, "fwd") for h in (32, 64, 128, 256) for b, d in BACKEND_DTYPES]
+  return cases
+
+
+def _inputs(c: Case):
+  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(kq, (c.B, c.T, c.N, c.H)).astype(c.dtype)  # (B, T, N, H)
+  k = jax.random.normal(kk, (c.B, c.T, c.K, c.H)).astype(c.dtype)  # (B, S, K, H)
+  v = jax.random.normal(kv, (c.B, c.T, c.K, c.H)).astype(c.dtype)
+  return q, k, v
+
+
+def _program(c: Case):
+  """(function, args) timing the case."""
+  if c.level == "core":
+    def f(q, k, v):
+      return attnlayers.attention(q, k, v, backend=c.backend, is_causal=c.causal)
+    args = _inputs(c)
+  else:
+    layer = MultiHeadAttention(c.N, c.N * c.H, num_kv_heads=c.K, backend=c.backend, is_causal=c.causal,
+                               decode=False, dtype=jnp.dtype(c.dtype), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(1), (c.B, c.T, c.N * c.H)).astype(c.dtype)
+    def f(state, x):
+      return nnx.merge(graphdef, state)(x)
+    args = (state, x)
+  if c.pass_ == "fwd":
+    return f, args
+  return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args)))), args
+
+
+def run_case(c: Case, matmul: float, calls: int, warmup: int, reference=None) -> dict:
+  row = {k.rstrip("_"): v for k, v in dataclasses.asdict(c).items()} | {"S": c.T}
+  if c.section == "heads":
+    row["kv_cache_bytes_per_token"] = 2 * c.K * c.H * jnp.dtype(c.dtype).itemsize
+  q = jax.ShapeDtypeStruct((c.B, c.T, c.N, c.H), jnp.dtype(c.dtype))
+  kv = jax.ShapeDtypeStruct((c.B, c.T, c.K, c.H), jnp.dtype(c.dtype))
+  explained = attnlayers.explain(c.backend, q, kv, kv, is_causal=c.causal)
+  if not explained.ok:
+    return row | {"status": "unavailable", "reason": "; ".join(explained.unmet[c.backend])}
+  if c.backend == "naive" and c.B * c.N * c.T * c.T * 4 * (2 if c.pass_ == "fwd+bwd" else 1) > NAIVE_LIMIT_BYTES:
+    return row | {"status": "skipped", "reason": f"naive's (B, N, T, S) float32 scores exceed {NAIVE_LIMIT_BYTES / 2**30:.0f} GiB"}
+  try:
+    fn, args = _program(c)
+    jitted = jax.jit(fn)
+    mem = jitted.lower(*args).compile().memory_analysis()
+    t = common.time_fn(jitted, *args, warmup=warmup, calls=calls)
+    if reference is not None and c.pass_ == "fwd":
+      out = jitted(*args).astype(jnp.float32)
+      row["max_abs_diff_vs_naive_f32"] = float(jnp.abs(out - reference).max())
+  except Exception as e:  # noqa: BLE001 - a failing case is a row with its message
+    return row | {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+  tflops = c.flops() / (t.median_ms * 1e-3) / 1e12
+  memory = mem and mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+  return row | {"status": "ok", "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "calls": t.calls,
+                "tflops": tflops, "vs_matmul": tflops / matmul, "memory_gib": memory and memory / 2**30}
+
+
+def _reference(c: Case):
+  """naive float32 output of the default case, the yardstick for max |difference|."""
+  f32 = dataclasses.replace(c, backend="naive", dtype="float32", pass_="fwd")
+  fn, args = _program(f32)
+  return jax.jit(fn)(*args).astype(jnp.float32)
+
+
+COLUMNS = ["section", "level", "backend", "dtype", "B", "T", "N", "K", "H", "causal", "pass", "status", "median_ms",
+           "p10_ms", "p90_ms", "tflops", "vs_matmul", "memory_gib"]
+
+
+def write(out: str, env: dict, rows: list[dict]) -> list[str]:
+  os.makedirs(out, exist_ok=True)
+  report.write_json(os.path.join(out, "layer.json"), env, rows)
+  report.write_csv(os.path.join(out, "layer.csv"), rows)
+  plots = []
+  default = [r for r in rows if r["section"] == "default" and r["level"] == "core" and r["pass"] == "fwd"]
+  if default:
+    report.bar_plot(os.path.join(out, "layer_default.png"), default, y="median_ms",
+                    title="B4 T128 N8 H64, forward, median ms")
+    plots.append("layer_default.png")
+  for section in dict.fromkeys(r["section"] for r in rows):
+    x = {"seq": "T", "heads": "K"}.get(section, "B" if section.startswith("batch") else None)
+    if x is None:
+      continue
+    sel = [r for r in rows if r["section"] == section and r["causal"] and r["pass"] == "fwd+bwd"]
+    if sel:
+      for y in ("median_ms", "tflops"):
+        name = f"layer_{section}_{y}.png"
+        report.line_plot(os.path.join(out, name), sel, x=x, y=y, title=f"{section}, causal, fwd+bwd: {y}")
+        plots.append(name)
+  md = [f"# Attention layer benchmarks\n\n{env}\n"]
+  for section in dict.fromkeys(r["section"] for r in rows):
+    sel = [r for r in rows if r["section"] == section]
+    cols = COLUMNS + (["max_abs_diff_vs_naive_f32"] if section == "default" else []) + \
+        (["kv_cache_bytes_per_token"] if section == "heads" else [])
+    md.append(f"## {section}\n\n" + report.markdown_table(sel, cols))
+    reasons = sorted({f"- {r['backend']} ({r['status']}): {r['reason']}" for r in sel if r["status"] != "ok"})
+    if reasons:
+      md.append("\n".join(reasons))
+  md += [f"![{p}]({p})" for p in plots]
+  with open(os.path.join(out, "layer.md"), "w") as f:
+    f.write("\n\n".join(md) + "\n")
+  return plots
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.layer", description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="a CPU-sized subset (what CI runs)")
+  p.add_argument("--sections", nargs="+", default=["default", "seq", "batch", "heads", "headdim"],
+                 choices=["default", "seq", "batch", "heads", "headdim"])
+  p.add_argument("--calls", type=int, help="timed calls per row (default 20; 3 with --quick)")
+  p.add_argument("--out", default="benchmarks/results")
+  a = p.parse_args(argv)
+  calls, warmup = (a.calls or (3 if a.quick else 20)), (1 if a.quick else 3)
+  matmul = common.matmul_tflops(n=1024 if a.quick else 8192, calls=3 if a.quick else 20)
+  env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": 1024 if a.quick else 8192}
+  cases = plan(a.quick, a.sections)
+  rows, reference = [], {}
+  for c in tqdm(cases, unit="row"):
+    ref = None
+    if c.section == "default":
+      key = (c.level,)
+      reference[key] = reference[key] if key in reference else _reference(c)
+      ref = reference[key]
+    rows.append(run_case(c, matmul, calls, warmup, ref))
+  plots = write(a.out, env, rows)
+  counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "unavailable", "skipped", "error")}
+  print(f"{len(rows)} rows {counts}; wrote layer.json, layer.csv, layer.md and {len(plots)} plots to {a.out}")
+
+
+if __name__ == "__main__":
+  main()
