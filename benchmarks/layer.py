@@ -28,10 +28,17 @@ from tqdm.auto import tqdm
 
 import attnlayers
 from attnlayers.nnx import MultiHeadAttention
+from attnlayers.backends import te as te_backend
 from benchmarks import common, report
 
 BACKEND_DTYPES = [("naive", "bfloat16"), ("xla", "bfloat16"), ("cudnn", "bfloat16"), ("te", "bfloat16"),
                   ("te-fp8", "bfloat16")]
+# The kernels called directly, without attnlayers around them: the yardstick for the wrapper's cost.
+RAW = {
+    "cudnn-raw": ("cudnn", lambda q, k, v, causal: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn")),
+    "te-raw": ("te", lambda q, k, v, causal: te_backend.run(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal)),
+}
 NAIVE_LIMIT_BYTES = 16 * 2**30  # naive materialises (B, N, T, S) float32 scores; larger rows are skipped
 
 
@@ -72,8 +79,9 @@ def plan(quick: bool, sections: list[str]) -> list[Case]:
   seqs = [64, 128, 256] if quick else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
   big = dict(N=4, K=4, H=32) if quick else dict(N=16, K=16, H=128)
   if "seq" in sections:
+    backends = BACKEND_DTYPES + [(raw, "bfloat16") for raw in RAW]
     cases += [Case("seq", b, d, 2, t, causal=c, pass_=p, **big) for t in seqs for c in (False, True)
-              for b, d in BACKEND_DTYPES for p in passes]
+              for b, d in backends for p in passes]
   if "batch" in sections:
     for t in ([64, 128] if quick else [256, 4096]):
       cases += [Case(f"batch-T{t}", b, d, bs, t, causal=c, pass_=p, **big) for bs in ([1, 2] if quick else [1, 2, 4, 8, 16])
@@ -98,7 +106,12 @@ def _inputs(c: Case):
 
 def _program(c: Case):
   """(function, args) timing the case."""
-  if c.level == "core":
+  if c.backend in RAW:
+    raw = RAW[c.backend][1]
+    def f(q, k, v):
+      return raw(q, k, v, c.causal)
+    args = _inputs(c)
+  elif c.level == "core":
     def f(q, k, v):
       return attnlayers.attention(q, k, v, backend=c.backend, is_causal=c.causal)
     args = _inputs(c)
@@ -121,9 +134,10 @@ def run_case(c: Case, matmul: float, calls: int, warmup: int, reference=None) ->
     row["kv_cache_bytes_per_token"] = 2 * c.K * c.H * jnp.dtype(c.dtype).itemsize
   q = jax.ShapeDtypeStruct((c.B, c.T, c.N, c.H), jnp.dtype(c.dtype))
   kv = jax.ShapeDtypeStruct((c.B, c.T, c.K, c.H), jnp.dtype(c.dtype))
-  explained = attnlayers.explain(c.backend, q, kv, kv, is_causal=c.causal)
+  backend = RAW[c.backend][0] if c.backend in RAW else c.backend  # a raw kernel needs what its backend needs
+  explained = attnlayers.explain(backend, q, kv, kv, is_causal=c.causal)
   if not explained.ok:
-    return row | {"status": "unavailable", "reason": "; ".join(explained.unmet[c.backend])}
+    return row | {"status": "unavailable", "reason": "; ".join(explained.unmet[backend])}
   if c.backend == "naive" and c.B * c.N * c.T * c.T * 4 * (2 if c.pass_ == "fwd+bwd" else 1) > NAIVE_LIMIT_BYTES:
     return row | {"status": "skipped", "reason": f"naive's (B, N, T, S) float32 scores exceed {NAIVE_LIMIT_BYTES / 2**30:.0f} GiB"}
   try:
@@ -182,10 +196,28 @@ def write(out: str, env: dict, rows: list[dict]) -> list[str]:
     reasons = sorted({f"- {r['backend']} ({r['status']}): {r['reason']}" for r in sel if r["status"] != "ok"})
     if reasons:
       md.append("\n".join(reasons))
+  overhead = wrapper_overhead(rows)
+  if overhead:
+    md.append("## attnlayers.attention vs the raw kernel (median ms ratio; 1.00 = no cost)\n\n"
+              + report.markdown_table(overhead, ["backend", "T", "causal", "pass", "ours_ms", "raw_ms", "ratio"]))
   md += [f"![{p}]({p})" for p in plots]
   with open(os.path.join(out, "layer.md"), "w") as f:
     f.write("\n\n".join(md) + "\n")
   return plots
+
+
+def wrapper_overhead(rows: list[dict]) -> list[dict]:
+  """Same-run ratio of our core to the kernel called directly, per seq row pair that both ran."""
+  key = lambda r: (r["T"], r["causal"], r["pass"])
+  out = []
+  for raw, (backend, _) in RAW.items():
+    ours = {key(r): r for r in rows if r["section"] == "seq" and r["backend"] == backend and r["status"] == "ok"}
+    for r in rows:
+      if r["section"] == "seq" and r["backend"] == raw and r["status"] == "ok" and key(r) in ours:
+        o = ours[key(r)]
+        out.append({"backend": backend, "T": r["T"], "causal": r["causal"], "pass": r["pass"],
+                    "ours_ms": o["median_ms"], "raw_ms": r["median_ms"], "ratio": o["median_ms"] / r["median_ms"]})
+  return out
 
 
 def main(argv=None) -> None:

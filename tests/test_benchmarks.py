@@ -24,6 +24,6 @@ def test_layer_quick_writes_json_csv_markdown_and_plots(tmp_path):
   assert {r["backend"] for r in ok} >= {"naive", "xla"}
   not_ok = [r for r in rows if r["status"] != "ok"]
   assert all(r["reason"] for r in not_ok)  # a backend that cannot run is a row with its reason
-  assert {r["backend"] for r in rows} == {"naive", "xla", "cudnn", "te", "te-fp8"}
+  assert {r["backend"] for r in rows} == {"naive", "xla", "cudnn", "te", "te-fp8", "cudnn-raw", "te-raw"}
   default_f32 = [r for r in rows if r["section"] == "default" and r["dtype"] == "float32" and r["pass"] == "fwd"]
   assert all(r["max_abs_diff_vs_naive_f32"] < 1e-5 for r in default_f32)
