@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +52,24 @@ def test_data_parallel_on_4_devices_matches_1(tmp_path):
   assert sorted(one) == list(range(1, 9))
   # the same global batch; only the order of the gradient all-reduce differs
   np.testing.assert_allclose([four[s] for s in one], list(one.values()), rtol=2e-5)
+
+
+def test_two_processes_match_one_process(tmp_path):
+  """Multi-host through jax.distributed.initialize: 2 processes x 2 devices vs 1 process x 4 devices."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  args = [*SMALL, "--steps", "6", "--sample-tokens", "5", "--coordinator-address", f"127.0.0.1:{port}",
+          "--num-processes", "2", "--metrics", str(tmp_path / "two.jsonl")]
+  procs = [train_cli(*args, "--process-id", str(i), devices=2, wait=False) for i in (0, 1)]
+  results = [p.communicate(timeout=600) for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [err[-1500:] for _, err in results]
+  assert "sample:" in results[0][0] and "sample:" not in results[1][0]  # process 0 reports
+  rc, _, err = train_cli(*SMALL, "--steps", "6", "--metrics", str(tmp_path / "one.jsonl"), devices=4)
+  assert rc == 0, err
+  one, two = losses(tmp_path / "one.jsonl"), losses(tmp_path / "two.jsonl")
+  assert sorted(two) == list(range(1, 7))
+  np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=2e-5)
 
 
 def test_kill_9_then_rerun_resumes_bitwise(tmp_path):

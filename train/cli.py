@@ -46,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
   a = parser().parse_args(argv)
   if a.coordinator_address:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
     jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
   model = models.preset(a.preset, backend=a.attn, n_kv_head=a.kv_heads, seq_len=a.seq_len,
                         vocab_size=a.vocab_size, dtype=a.dtype)
@@ -62,6 +63,8 @@ def main(argv=None) -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   sample = summary.pop("sample", None)
+  if jax.process_index() != 0:
+    return
   print(json.dumps(summary))
   if sample is not None:
     print("sample:\n" + sample)

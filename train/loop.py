@@ -171,9 +171,9 @@ def run(cfg: TrainConfig) -> dict:
       "steps_per_s": steps_per_s, "tokens_per_s": steps_per_s and steps_per_s * tokens_per_step,
       "mfu": steps_per_s and peak and steps_per_s * tokens_per_step * fpt / peak,
       "time_to_first_step_s": first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
-      "attention": mcfg.backend, "device": str(jax.devices()[0].device_kind), "devices": jax.device_count(),
+      "attention": mcfg.backend, "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
-  if cfg.sample_tokens and jax.process_index() == 0:
+  if cfg.sample_tokens:  # every process takes part: the parameters span all of them
     prompt = dataset.val[0][:mcfg.seq_len // 2]
     new = sample.generate(graphdef, state["params"], np.asarray(prompt), steps=cfg.sample_tokens,
                           window=mcfg.seq_len, seed=cfg.seed)

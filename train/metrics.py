@@ -18,7 +18,7 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4
 def peak_flops(override_tflops: float | None = None) -> float | None:
   if override_tflops:
     return override_tflops * 1e12
-  device = jax.devices()[0]
+  device = jax.local_devices()[0]
   if device.platform != "gpu":
     return None
   kind = getattr(device, "device_kind", "")
@@ -26,7 +26,7 @@ def peak_flops(override_tflops: float | None = None) -> float | None:
 
 
 def peak_memory_bytes() -> int | None:
-  stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
+  stats = jax.local_devices()[0].memory_stats() if hasattr(jax.local_devices()[0], "memory_stats") else None
   return (stats or {}).get("peak_bytes_in_use")
 
 
