@@ -116,7 +116,7 @@ def run(cfg: TrainConfig) -> dict:
   peak = metrics.peak_flops(cfg.peak_tflops)
   out = metrics.MetricsFile(cfg.metrics)
   bar = tqdm(total=cfg.steps, initial=start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
-  rates, first_step_s, last_t, last_step, loss, wrote_any = [], None, None, start, float("nan"), False
+  rates, first_step_s, last_t, last_step, loss, wrote_any = [], None, None, start, None, False
   try:
     batch = put("train", start + 1)
     for step in range(start + 1, cfg.steps + 1):
