@@ -15,7 +15,7 @@ import sys
 
 import attnlayers
 import models
-from benchmarks import common
+from benchmarks import common, report
 
 
 def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int) -> dict:
@@ -46,11 +46,8 @@ def _reasons(stderr: str) -> str:
 def table(rows: list[dict]) -> str:
   cols = ["backend", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s", "mfu", "vs_matmul",
           "time_to_first_step_s", "peak_memory_gib", "final_loss"]
-  fmt = lambda v: f"{v:,.3f}" if isinstance(v, float) else str(v)
-  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-  lines += [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
-  return "\n".join(lines)
+  reasons = [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
+  return report.markdown_table(rows, cols) + "\n" + "\n".join(reasons)
 
 
 def main(argv=None) -> None:
@@ -60,7 +57,8 @@ def main(argv=None) -> None:
   p.add_argument("--seq-len", type=int, nargs="+", default=[1024])
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--steps", type=int, default=40)
-  p.add_argument("--out", default="benchmarks/results", help="folder for train.json and train.md")
+  p.add_argument("--matmul-n", type=int, default=8192, help="size of the same-run matmul yardstick (n^3)")
+  p.add_argument("--out", default="benchmarks/results", help="folder for train.json, .csv, .md and plots")
   a = p.parse_args(argv)
   rows = []
   for seq_len in a.seq_len:
@@ -68,17 +66,23 @@ def main(argv=None) -> None:
       rows.append(run_one(backend, a.preset, seq_len, a.batch_size, a.steps))
       print(json.dumps(rows[-1]), flush=True)
   # after the runs: this process takes the GPU only once the children have let it go
-  matmul = common.matmul_tflops()
-  env = common.environment() | {"matmul_8192_bf16_tflops": matmul}
+  matmul = common.matmul_tflops(n=a.matmul_n)
+  env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": a.matmul_n}
   for r in rows:
     if r["status"] == "ok":
       r["vs_matmul"] = r["model_tflops"] / matmul
   print(json.dumps(env), flush=True)
   os.makedirs(a.out, exist_ok=True)
-  with open(os.path.join(a.out, "train.json"), "w") as f:
-    json.dump({"environment": env, "rows": rows}, f, indent=1)
+  report.write_json(os.path.join(a.out, "train.json"), env, rows)
+  report.write_csv(os.path.join(a.out, "train.csv"), rows)
+  plots = []
+  for seq_len in a.seq_len:
+    sel = [r | {"dtype": f"T{seq_len}"} for r in rows if r["seq_len"] == seq_len]
+    name = f"train_T{seq_len}_tokens_per_s.png"
+    report.bar_plot(os.path.join(a.out, name), sel, y="tokens_per_s", title=f"{a.preset}, T={seq_len}: tokens/s")
+    plots.append(name)
   with open(os.path.join(a.out, "train.md"), "w") as f:
-    f.write(table(rows) + "\n")
+    f.write(f"# Training benchmarks\n\n{env}\n\n" + table(rows) + "\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n")
   print(table(rows))
 
 

@@ -27,3 +27,16 @@ def test_layer_quick_writes_json_csv_markdown_and_plots(tmp_path):
   assert {r["backend"] for r in rows} == {"naive", "xla", "cudnn", "te", "te-fp8", "cudnn-raw", "te-raw"}
   default_f32 = [r for r in rows if r["section"] == "default" and r["dtype"] == "float32" and r["pass"] == "fwd"]
   assert all(r["max_abs_diff_vs_naive_f32"] < 1e-5 for r in default_f32)
+
+
+def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
+  cmd = [sys.executable, "-m", "benchmarks.train", "--preset", "tiny", "--backends", "xla", "cudnn", "--steps", "4",
+         "--batch-size", "4", "--seq-len", "32", "--matmul-n", "256", "--out", str(tmp_path)]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=900)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = {r["backend"]: r for r in json.load(open(tmp_path / "train.json"))["rows"]}
+  assert rows["xla"]["status"] == "ok" and rows["xla"]["tokens_per_s"] > 0 and rows["xla"]["vs_matmul"] > 0
+  if rows["cudnn"]["status"] != "ok":
+    assert "cuDNN" in rows["cudnn"]["reason"]
+  assert (tmp_path / "train.csv").exists() and (tmp_path / "train_T32_tokens_per_s.png").exists()
+  assert "| xla |" in (tmp_path / "train.md").read_text()
