@@ -96,8 +96,8 @@ def run(cfg: TrainConfig) -> dict:
   local = cfg.batch_size // jax.process_count()
   lo = jax.process_index() * local
 
-  def put(split, step, batch_size=cfg.batch_size):
-    x, y = dataset.batch(split, cfg.seed, step, batch_size, mcfg.seq_len)
+  def put(split, step):
+    x, y = dataset.batch(split, cfg.seed, step, cfg.batch_size, mcfg.seq_len)
     return (jax.make_array_from_process_local_data(batch_sharding, a[lo:lo + local]) for a in (x, y))
 
   def validate():
@@ -114,6 +114,7 @@ def run(cfg: TrainConfig) -> dict:
   tokens_per_step = cfg.batch_size * mcfg.seq_len
   fpt = models.flops_per_token(mcfg, n_params, mcfg.seq_len)
   peak = metrics.peak_flops(cfg.peak_tflops)
+  mfu = lambda steps_per_s: steps_per_s * tokens_per_step * fpt / peak if peak and steps_per_s else None
   out = metrics.MetricsFile(cfg.metrics)
   bar = tqdm(total=cfg.steps, initial=start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
   rates, first_step_s, last_t, last_step, loss, wrote_any = [], None, None, start, None, False
@@ -147,7 +148,7 @@ def run(cfg: TrainConfig) -> dict:
         steps_per_s = (step - last_step) / (now - last_t)
         rates.append(steps_per_s)
         record |= {"steps_per_s": steps_per_s, "tokens_per_s": steps_per_s * tokens_per_step,
-                   "mfu": steps_per_s * tokens_per_step * fpt / peak if peak else None}
+                   "mfu": mfu(steps_per_s)}
       if not wrote_any:
         record["time_to_first_step_s"] = first_step_s
       if is_eval:
@@ -164,12 +165,12 @@ def run(cfg: TrainConfig) -> dict:
     if ckpts:
       ckpts.close()
 
-  steady = sorted(rates[1:] or rates)  # the first interval holds compilation
+  steady = sorted(rates[1:] or rates)  # the first interval, just after compilation, still warms up
   steps_per_s = steady[len(steady) // 2] if steady else None
   summary = {
       "event": "summary", "steps": cfg.steps, "final_loss": loss, "params": n_params,
       "steps_per_s": steps_per_s, "tokens_per_s": steps_per_s and steps_per_s * tokens_per_step,
-      "mfu": steps_per_s and peak and steps_per_s * tokens_per_step * fpt / peak,
+      "mfu": mfu(steps_per_s),
       "time_to_first_step_s": first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
       "attention": mcfg.backend, "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }

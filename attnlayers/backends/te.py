@@ -9,6 +9,8 @@ Boolean masks and additive biases are not wired to TE yet: such calls name `cudn
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from attnlayers import device as device_lib
 from attnlayers.backends import _reasons
 from attnlayers.spec import Call
@@ -53,7 +55,6 @@ def unmet(call: Call) -> list[str]:
 
 
 def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None):
-  import jax.numpy as jnp
   te = _te()
   B, T, S = q.shape[0], q.shape[1], k.shape[1]
   lengths = te.SequenceDescriptor.from_seqlens((jnp.full((B,), T, jnp.int32), jnp.full((B,), S, jnp.int32)))
