@@ -4,7 +4,10 @@ q/k/v go in as they are (BSHD_BSHD_BSHD layout, GQA through K < N heads), causal
 TE's top-left CAUSAL_MASK, no dropout. TransformerEngine is imported only inside this
 module and only when a GPU call is checked or run, so attnlayers imports without it.
 Whether TE has a fused kernel for a call is TE's own answer (is_fused_attn_kernel_available).
-Boolean masks and additive biases are not wired to TE yet: such calls name `cudnn`.
+TE's boolean masks mean True = masked out, the inverse of ours; rather than invert them we
+hand TE a mask as what it means, a post-scale bias (0 where ours is True, a large negative
+number where it is False), added to any bias of the call. That bias keeps its batch dim
+(1 or B) and is broadcast to (N, T, S), the shapes TE's fused kernel takes.
 """
 
 from __future__ import annotations
@@ -36,30 +39,54 @@ def _mask_type(te, is_causal: bool):
   return te.AttnMaskType.CAUSAL_MASK if is_causal else te.AttnMaskType.NO_MASK
 
 
+def _bias_type(te, has_bias: bool):
+  return te.AttnBiasType.POST_SCALE_BIAS if has_bias else te.AttnBiasType.NO_BIAS
+
+
+def _as_bias(mask, bias, N: int, T: int, S: int, dtype):
+  """Our mask (True = attend) and bias as one additive (1|B, N, T, S) bias, or None."""
+  if mask is None and bias is None:
+    return None
+  total = jnp.zeros((1, 1, 1, 1), jnp.float32)
+  if bias is not None:
+    total = total + bias.reshape((1,) * (4 - bias.ndim) + bias.shape).astype(jnp.float32)
+  if mask is not None:
+    mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    total = total + jnp.where(mask, 0.0, 0.5 * float(jnp.finfo(dtype).min))  # masked: exp() underflows to 0
+  return jnp.broadcast_to(total, (total.shape[0], N, T, S)).astype(dtype)
+
+
+def _bias_dims(call: Call) -> dict:
+  """The (1|B, N, T, S) bias run() hands TE, as is_fused_attn_kernel_available wants it described."""
+  batch = max(shape[0] for shape in (call.mask_shape, call.bias_shape) if shape is not None)
+  return dict(bias_batch=batch, bias_heads=call.N, bias_seqlen_q=call.T, bias_seqlen_kv=call.S)
+
+
 def unmet(call: Call) -> list[str]:
   reasons = te_requirements(call, (8, 0), "TransformerEngine fused attention")
-  if call.mask_shape is not None or call.bias_shape is not None:
-    reasons.append("te takes no mask= or bias= yet (causal only); use backend='cudnn' for masked calls")
   reasons += _reasons.fused_only(call, NAME)
   if reasons:
     return reasons
   te = _te()
+  has_bias = call.mask_shape is not None or call.bias_shape is not None
   available = te.is_fused_attn_kernel_available(
-      True, call.B, call.dtype, call.dtype, te.QKVLayout.BSHD_BSHD_BSHD, te.AttnBiasType.NO_BIAS,
+      True, call.B, call.dtype, call.dtype, te.QKVLayout.BSHD_BSHD_BSHD, _bias_type(te, has_bias),
       _mask_type(te, call.is_causal), te.AttnSoftmaxType.VANILLA_SOFTMAX, 0.0, call.N, call.K, call.T, call.S,
-      call.H, call.H)
+      call.H, call.H, **(_bias_dims(call) if has_bias else {}))
   if not available:
-    reasons.append(f"TransformerEngine has no fused kernel for {call.shape_str()} causal={call.is_causal} "
+    with_bias = " with a mask/bias (as a post-scale bias)" if has_bias else ""
+    reasons.append(f"TransformerEngine has no fused kernel for {call.shape_str()} causal={call.is_causal}{with_bias} "
                    "on this GPU and cuDNN (is_fused_attn_kernel_available is False)")
   return reasons
 
 
 def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None):
   te = _te()
-  B, T, S = q.shape[0], q.shape[1], k.shape[1]
+  (B, T, N, _), S = q.shape, k.shape[1]
   lengths = te.SequenceDescriptor.from_seqlens((jnp.full((B,), T, jnp.int32), jnp.full((B,), S, jnp.int32)))
+  bias = _as_bias(mask, bias, N, T, S, q.dtype)  # (1|B, N, T, S) or None
   return te.fused_attn(
-      (q, k, v), None, lengths, None, attn_bias_type=te.AttnBiasType.NO_BIAS,
+      (q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, bias is not None),
       attn_mask_type=_mask_type(te, is_causal), qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD,
       softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX, scaling_factor=scale, dropout_probability=0.0,
       is_training=True)
