@@ -25,6 +25,7 @@ class Plan:
   unmet: dict[str, tuple[str, ...]]  # for each backend considered and refused: why
   runnable: tuple[str, ...]  # every registered backend that could run this call
   call: Call
+  notes: tuple[str, ...] = ()  # how the chosen backend runs this call (e.g. te-fp8: FP8 or bf16 core, and why)
 
   @property
   def ok(self) -> bool:
@@ -39,6 +40,7 @@ class Plan:
       lines.append(f"{self.chosen!r} runs {where}")
     else:
       lines.append(f"backend {self.requested!r} cannot run {where}:")
+    lines += [f"  {n}" for n in self.notes]
     for name, reasons in self.unmet.items():
       lines += [f"  - {name}: {r}" if self.requested == backends.AUTO else f"  - {r}" for r in reasons]
     if not self.ok:
@@ -58,5 +60,6 @@ def plan(requested: str, call: Call) -> Plan:
         return Plan(requested, name, {n: reasons[n] for n in considered}, runnable, call)
       considered.append(name)
     return Plan(requested, None, {n: reasons[n] for n in considered}, runnable, call)
-  chosen = requested if not reasons[requested] else None
-  return Plan(requested, chosen, {requested: reasons[requested]} if reasons[requested] else {}, runnable, call)
+  if reasons[requested]:
+    return Plan(requested, None, {requested: reasons[requested]}, runnable, call)
+  return Plan(requested, requested, {}, runnable, call, tuple(backends.REGISTRY[requested].notes(call)))

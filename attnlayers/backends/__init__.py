@@ -3,6 +3,7 @@
   NAME: str, SUMMARY: str
   unmet(call: spec.Call) -> list[str]       every requirement this call misses ([] = can run)
   run(q, k, v, *, scale, is_causal, mask, bias) -> (B, T, N, H)   (naive takes more options)
+  notes(call) -> list[str]                  optional: how a runnable call runs (shown by explain)
 
 `auto` is not a backend: it is the first of AUTO_ORDER whose `unmet` is empty.
 """
@@ -21,10 +22,16 @@ class Backend:
   summary: str
   unmet: Callable  # (Call) -> list[str]
   run: Callable  # (q, k, v, *, scale, is_causal, mask, bias) -> out
+  notes: Callable  # (Call) -> list[str]: how it runs a call it can run
+
+
+def _no_notes(call) -> list[str]:
+  return []
 
 
 REGISTRY: dict[str, Backend] = {
-    m.NAME: Backend(m.NAME, m.SUMMARY, m.unmet, m.run) for m in (naive, xla, cudnn, te, te_fp8)
+    m.NAME: Backend(m.NAME, m.SUMMARY, m.unmet, m.run, getattr(m, "notes", _no_notes))
+    for m in (naive, xla, cudnn, te, te_fp8)
 }
 AUTO = "auto"
 # Fastest first. auto never changes the numerical contract: cudnn only takes fp16/bf16

@@ -1,0 +1,148 @@
+"""cuDNN's FP8 flash attention behind a bf16/fp16 interface, with per-tensor scaling.
+
+jax reaches cuDNN's FP8 attention only through its private module
+`jax._src.cudnn.fused_attention_stablehlo`; this file is the one place that touches it, and
+`api_problem()` says so plainly when an installed jax changed those entry points.
+
+Scaling (current, per tensor, recomputed on every call, so no state):
+  q, k, v   amax measured now; scale = the largest power of two with amax * scale <= 448
+            (E4M3's max), so dequantising back to bf16 is exact.
+  P         softmax probabilities are <= 1: scale 448 uses E4M3's whole range.
+  O         every output row is a convex combination of V's rows, so |O| <= amax(v); one
+            binade of margin covers P's own FP8 rounding.
+Forward: cuDNN FP8 kernel (Q.K^T and P.V as FP8 GEMMs, fp32 softmax). Backward: cuDNN's
+bf16 flash backward, fed by the FP8 forward's own softmax statistics and the dequantised
+tensors, so nothing is recomputed. cuDNN's FP8 backward also exists; benchmarks/fp8.py
+times both, and the FP8 one is not used because it is the slower one for causal attention
+on our H200 and its dP scale needs an amax history that a stateless call cannot keep.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+try:  # private: the only route from jax to cuDNN's FP8 attention
+  from jax._src.cudnn import fused_attention_stablehlo as _fa
+except ImportError:
+  _fa = None
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+_BTNH = 0  # AttentionLayout.BTNH in jax's module
+
+# The private entry points we bind, with the argument names we bind them with.
+_API = {
+    "_dot_product_attention_fp8_fwd_impl": (
+        "query", "key", "value", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o",
+        "scale", "use_causal_mask", "layout", "is_training"),
+    "_dot_product_attention_bwd_impl": (
+        "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
+        "page_table_v", "activation", "fwd_output", "grad_output", "scale", "seed", "dropout_rate",
+        "variadic_args", "mask_type", "layout", "sliding_window_length"),
+    "_dot_product_attention_fp8_bwd_impl": (
+        "query", "key", "value", "fwd_output", "grad_output", "activation", "descale_q", "descale_k", "descale_v",
+        "descale_o", "descale_dO", "descale_s", "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV",
+        "scale_dP", "scale", "use_causal_mask", "layout"),
+}
+
+
+@functools.cache
+def api_problem() -> str | None:
+  """None when this jax has the private cuDNN FP8 entry points as we call them; else why not."""
+  if _fa is None or _fa.AttentionLayout.BTNH.value != _BTNH:
+    return f"jax {jax.__version__} has no jax._src.cudnn.fused_attention_stablehlo as attnlayers knows it"
+  for name, want in _API.items():
+    fn = getattr(_fa, name, None)
+    got = tuple(inspect.signature(fn).parameters) if fn is not None else None
+    if got != want:
+      return (f"jax {jax.__version__} changed its private cuDNN attention entry point {name} "
+              f"(jax._src.cudnn.fused_attention_stablehlo), which the FP8 core binds; attnlayers supports jax 0.10-0.12")
+  return None
+
+
+def _meta(x):
+  return jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32)
+
+
+def _quantize(x):
+  """x -> (E4M3 x * scale, scale) with scale a power of two and max|x| * scale <= 448."""
+  amax = jnp.maximum(jnp.max(jnp.abs(x)).astype(jnp.float32), 2.0**-60)
+  scale = jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / amax)))
+  return (x * scale.astype(x.dtype)).astype(E4M3), scale
+
+
+def fp8_forward(q8, k8, v8, descales, scale_o, *, scale: float, is_causal: bool, training: bool):
+  """The bare cuDNN FP8 kernel: (O in E4M3, amax_s, amax_o[, softmax stats (B, N, T)])."""
+  dq, dk, dv = descales
+  return _fa._dot_product_attention_fp8_fwd_p_wrapper.bind(
+      q8, k8, v8, _meta(dq), _meta(dk), _meta(dv), _meta(1 / E4M3_MAX), _meta(E4M3_MAX), _meta(scale_o),
+      scale=scale, use_causal_mask=is_causal, layout=_BTNH, is_training=training)
+
+
+def bf16_backward(q, k, v, stats, out, dout, *, scale: float, is_causal: bool):
+  """cuDNN's bf16/fp16 flash backward from saved statistics: (dq, dk, dv)."""
+  unused = jnp.zeros((0,), q.dtype)
+  mask_type = _fa.MaskType.CAUSAL if is_causal else _fa.MaskType.NO_MASK
+  grads = _fa._dot_product_attention_bwd_p_wrapper.bind(
+      q, k, v, unused, unused, unused, unused, unused, unused, unused, stats, out, dout,
+      scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False), mask_type=mask_type,
+      layout=_BTNH, sliding_window_length=None)
+  return grads[0], grads[1], grads[2]
+
+
+def fp8_backward(q8, k8, v8, o8, do8, stats, *, scale: float, is_causal: bool):
+  """cuDNN's FP8 flash backward with unit scales: (dq, dk, dv) in E4M3. For benchmarks/fp8.py,
+  which times it against bf16_backward; the core does not use it (see the module docstring)."""
+  one = _meta(1.0)
+  grads = _fa._dot_product_attention_fp8_bwd_p_wrapper.bind(
+      q8, k8, v8, o8, do8, stats, *([one] * 12), scale=scale, use_causal_mask=is_causal, layout=_BTNH)
+  return grads[0], grads[1], grads[2]
+
+
+def _forward(q, k, v, scale, is_causal, training):
+  (q8, sq), (k8, sk), (v8, sv) = _quantize(q), _quantize(k), _quantize(v)
+  scale_o = sv / 2  # |O| <= max|v|; the 2 absorbs P's FP8 rounding
+  outs = fp8_forward(q8, k8, v8, (1 / sq, 1 / sk, 1 / sv), scale_o, scale=scale, is_causal=is_causal,
+                     training=training)
+  out = outs[0].astype(q.dtype) * (1 / scale_o).astype(q.dtype)  # (B, T, N, H), exact: scale_o is 2^n
+  residuals = (q8, k8, v8, sq, sk, sv, out, outs[3]) if training else None
+  return out, residuals
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def attention(q, k, v, scale: float, is_causal: bool):
+  """FP8 attention: q (B, T, N, H), k/v (B, S, K, H) in bf16/fp16 -> (B, T, N, H) in q's dtype."""
+  return _forward(q, k, v, scale, is_causal, training=False)[0]
+
+
+def _attention_fwd(q, k, v, scale, is_causal):
+  return _forward(q, k, v, scale, is_causal, training=True)
+
+
+def _attention_bwd(scale, is_causal, residuals, dout):
+  q8, k8, v8, sq, sk, sv, out, stats = residuals
+  dt = out.dtype
+  q, k, v = (x8.astype(dt) * (1 / s).astype(dt) for x8, s in ((q8, sq), (k8, sk), (v8, sv)))  # exact
+  return bf16_backward(q, k, v, stats, out, dout.astype(dt), scale=scale, is_causal=is_causal)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def unmet(T: int, S: int, H: int, cc, cudnn_version) -> list[str]:
+  """Why the FP8 core cannot take a call (the te-fp8 backend then runs its core in bf16)."""
+  reasons = []
+  if cc is None or cc < (9, 0) or cc[0] == 12:
+    have = "no CUDA GPU" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
+    reasons.append(f"cuDNN FP8 attention needs compute capability 9.x or 10.x; {have}")
+  if cudnn_version is None or cudnn_version < 90100 or 91000 <= cudnn_version < 91100:
+    reasons.append(f"cuDNN FP8 attention needs cuDNN >= 9.1 and not 9.10.x; have {cudnn_version}")
+  if H != 128 or T % 128 or S % 128:
+    reasons.append(f"cuDNN FP8 attention (with a backward pass) needs head dim 128 and T, S multiples of 128; "
+                   f"got H={H}, T={T}, S={S}")
+  problem = api_problem()
+  return reasons + ([problem] if problem else [])
