@@ -6,7 +6,8 @@ Flax's names (query, key, value, out, query_ln, key_ln; cache: cached_key, cache
 cache_index), so Flax's initialisation and checkpoints carry over. Added fields:
 
   num_kv_heads: key/value heads (None = num_heads); must divide num_heads.
-  backend:      any name in attnlayers.BACKENDS (default "auto").
+  backend:      any name in attnlayers.BACKENDS (default "auto"), except "te-fp8", whose
+                FP8 projections keep NNX state: use attnlayers.nnx for it.
   is_causal:    default for the call's `is_causal` (ignored in decode mode, where the
                 cache mask makes the single new query causal).
 
@@ -55,6 +56,10 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
   def _attention_fn(self) -> Callable:
     backends.check_name(self.backend)
+    if self.backend == "te-fp8":
+      raise ValueError("backend='te-fp8' runs its projections as FP8 GEMMs whose scaling state is NNX state; "
+                       "use attnlayers.nnx.MultiHeadAttention, or attnlayers.attention(..., backend='te-fp8') "
+                       "for the FP8 attention core alone")
     if self.attention_fn is not None:
       if self.backend != backends.AUTO:
         raise ValueError(f"pass either attention_fn= or backend= ({self.backend!r}), not both")

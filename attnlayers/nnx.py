@@ -7,6 +7,12 @@ Added, keyword-only:
 
   backend:   any name in attnlayers.BACKENDS (default "auto"; see attnlayers.explain).
   is_causal: default for the call's `is_causal` (the call's value wins when given).
+  fp8_recipe: with backend="te-fp8", how the FP8 projections are scaled
+             (attnlayers.fp8.FP8Recipe; default TE DelayedScaling, HYBRID, history 1024, max).
+
+With backend="te-fp8" the q/k/v/out projections run as TransformerEngine FP8 GEMMs; their
+scaling state is FP8Meta variables beside the parameters (see attnlayers.fp8), which a
+training step must carry: `nnx.split(layer, nnx.Param, FP8Meta)`.
 
 In decode mode the cache's own position mask makes the one new query causal, so
 `is_causal` is not applied to it.
@@ -16,7 +22,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from attnlayers import backends
+from attnlayers import backends, fp8
 from attnlayers.flax_attention import BackendAttention
 
 
@@ -34,14 +40,19 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   together with a `backend` other than "auto" is an error.
   """
 
-  def __init__(self, *args, backend: str = backends.AUTO, is_causal: bool = False, attention_fn=None, **kwargs):
+  def __init__(self, *args, backend: str = backends.AUTO, is_causal: bool = False, attention_fn=None,
+               fp8_recipe: fp8.FP8Recipe | None = None, **kwargs):
     backends.check_name(backend)
     if attention_fn is not None and backend != backends.AUTO:
       raise ValueError(f"pass either attention_fn= or backend= ({backend!r}), not both: a custom "
                        "attention_fn replaces the backend's kernel")
+    if fp8_recipe is not None and backend != "te-fp8":
+      raise ValueError(f"fp8_recipe= applies to backend='te-fp8' only; got backend={backend!r}")
     super().__init__(*args, attention_fn=attention_fn or BackendAttention(backend), **kwargs)
     self.backend = backend if attention_fn is None else "custom attention_fn"
     self.is_causal = is_causal
+    if backend == "te-fp8":
+      fp8.use_fp8_projections(self, fp8_recipe or fp8.FP8Recipe())
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, is_causal: bool | None = None,
                decode: bool | None = None, **kwargs):

@@ -1,7 +1,8 @@
 """Checkpoints with orbax: model + optimizer state + step + data position, resumable.
 
-Each checkpoint holds `state` (params and optimizer state) and `meta` (step, the model's
-architecture fields, seed and data source). The batch of step s depends only on (seed, s),
+Each checkpoint holds `state` (params and optimizer state), `meta` (step, the model's
+architecture fields, seed and data source) and, for te-fp8 runs, `fp8` (FP8 scaling state).
+A run may switch attention backend on resume: FP8 state is then dropped, or starts afresh. The batch of step s depends only on (seed, s),
 so the step is the data position. Saves are synchronous, so a checkpoint that exists is
 complete: a run killed mid-save resumes from the one before.
 """
@@ -22,22 +23,32 @@ class Checkpoints:
   def __init__(self, directory: str, *, keep: int = 3):
     self.directory = os.path.abspath(directory)
     self.manager = ocp.CheckpointManager(
-        self.directory, item_names=("state", "meta"),
+        self.directory, item_names=("state", "meta", "fp8"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True))
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state, meta: dict) -> None:
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta | {"step": step})))
+  def save(self, step: int, state: dict, meta: dict) -> None:
+    items = dict(state=ocp.args.StandardSave({k: v for k, v in state.items() if k != "fp8"}),
+                 meta=ocp.args.JsonSave(meta | {"step": step}))
+    if state.get("fp8"):
+      items["fp8"] = ocp.args.StandardSave(state["fp8"])
+    self.manager.save(step, args=ocp.args.Composite(**items))
 
   def restore(self, step: int, like, expected_meta: dict):
     """(state, meta) of `step`; `like` gives the structure, shapes and shardings to restore into."""
     meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     check_meta(self.directory, step, meta, expected_meta)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    state = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {k: v for k, v in like.items() if k != "fp8"})
+    state = dict(self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"])
+    if "fp8" in like:
+      state["fp8"] = like["fp8"]
+      if like["fp8"] and os.path.isdir(os.path.join(self.directory, str(step), "fp8")):
+        fp8 = jax.tree.map(ocp.utils.to_shape_dtype_struct, like["fp8"])
+        state["fp8"] = self.manager.restore(step, args=ocp.args.Composite(fp8=ocp.args.StandardRestore(fp8)))["fp8"]
+      elif like["fp8"]:
+        print(f"checkpoint step {step} has no FP8 scaling state (another backend wrote it): FP8 scaling starts afresh")
     return state, meta
 
   def close(self) -> None:

@@ -10,6 +10,7 @@ import jax
 
 import attnlayers
 import models
+from attnlayers.fp8 import FP8Unavailable
 from train import checkpoint, loop
 
 
@@ -17,6 +18,9 @@ def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto", help="attention backend (default: auto)")
   p.add_argument("--preset", choices=list(models.PRESETS), default="tiny")
+  p.add_argument("--n-layer", type=int, help="transformer blocks; default: the preset's")
+  p.add_argument("--n-head", type=int, help="query heads; default: the preset's")
+  p.add_argument("--d-model", type=int, help="model width (head dim = d_model / n_head); default: the preset's")
   p.add_argument("--kv-heads", type=int, help="key/value heads (GQA/MQA); default: the preset's")
   p.add_argument("--seq-len", type=int, help="context length; default: the preset's")
   p.add_argument("--vocab-size", type=int, help="default: the preset's")
@@ -48,8 +52,12 @@ def main(argv=None) -> None:
   if a.coordinator_address:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
     jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
-  model = models.preset(a.preset, backend=a.attn, n_kv_head=a.kv_heads, seq_len=a.seq_len,
-                        vocab_size=a.vocab_size, dtype=a.dtype)
+  try:
+    model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
+                          n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   cfg = loop.TrainConfig(
       model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
       ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,
@@ -59,7 +67,7 @@ def main(argv=None) -> None:
   try:
     summary = loop.run(cfg)
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, attnlayers.BackendUnavailableError,
-          FileNotFoundError, ValueError) as e:
+          FP8Unavailable, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   sample = summary.pop("sample", None)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 import models
+from attnlayers.fp8 import FP8Meta
 from train import checkpoint, data, metrics, optim, sample
 
 
@@ -47,8 +48,8 @@ class TrainConfig:
   profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of steps 11-15 here
 
 
-def _loss(graphdef, params, x, y, dropout_key):
-  model = nnx.merge(graphdef, params)
+def _loss(graphdef, params, fp8, x, y, dropout_key):
+  model = nnx.merge(graphdef, params, fp8)
   rngs = nnx.Rngs(dropout=dropout_key) if model.cfg.dropout else None
   logits = model(x, rngs=rngs)  # (B, T, V) float32
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
@@ -68,10 +69,14 @@ def run(cfg: TrainConfig) -> dict:
   replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
   model = models.GPT(mcfg, rngs=nnx.Rngs(cfg.seed))
-  graphdef, params = nnx.split(model, nnx.Param)
+  # fp8: FP8 scaling state (te-fp8 only, else empty); replaced by its gradient each step, never optimised
+  graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
+  if fp8 and jax.device_count() > 1:
+    raise ValueError(f"--attn te-fp8 trains on one device in this version (its amax reductions are not "
+                     f"wired across devices); have {jax.device_count()}")
   n_params = models.count_params(model)
   tx = optim.adamw(cfg.lr, cfg.steps, cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip)
-  state = jax.device_put({"params": params, "opt_state": tx.init(params)}, replicated)
+  state = jax.device_put({"params": params, "opt_state": tx.init(params), "fp8": fp8}, replicated)
   lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
 
   meta = {"model": mcfg.architecture(), "seed": cfg.seed, "data": dataset.name}
@@ -85,13 +90,14 @@ def run(cfg: TrainConfig) -> dict:
   @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers hold the new one
   def train_step(state, x, y, step):
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)  # dropout depends on (seed, step) only
-    loss, grads = jax.value_and_grad(lambda p: _loss(graphdef, p, x, y, key))(state["params"])
+    loss, (grads, fp8) = jax.value_and_grad(lambda p, f: _loss(graphdef, p, f, x, y, key), argnums=(0, 1))(
+        state["params"], state["fp8"])  # the FP8Meta "gradient" is its updated value (attnlayers.fp8)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "fp8": fp8}, loss
 
   @jax.jit
-  def eval_loss(params, x, y):
-    return _loss(graphdef, params, x, y, None)
+  def eval_loss(params, fp8, x, y):
+    return _loss(graphdef, params, fp8, x, y, None)
 
   local = cfg.batch_size // jax.process_count()
   lo = jax.process_index() * local
@@ -101,7 +107,7 @@ def run(cfg: TrainConfig) -> dict:
     return (jax.make_array_from_process_local_data(batch_sharding, a[lo:lo + local]) for a in (x, y))
 
   def validate():
-    losses = [eval_loss(state["params"], *put("val", i)) for i in range(cfg.eval_batches)]
+    losses = [eval_loss(state["params"], state["fp8"], *put("val", i)) for i in range(cfg.eval_batches)]
     return float(np.mean([float(l) for l in losses]))
 
   def check_finite(loss, step):
@@ -176,7 +182,7 @@ def run(cfg: TrainConfig) -> dict:
   }
   if cfg.sample_tokens:  # every process takes part: the parameters span all of them
     prompt = dataset.val[0][:mcfg.seq_len // 2]
-    new = sample.generate(graphdef, state["params"], np.asarray(prompt), steps=cfg.sample_tokens,
+    new = sample.generate(graphdef, (state["params"], state["fp8"]), np.asarray(prompt), steps=cfg.sample_tokens,
                           window=mcfg.seq_len, seed=cfg.seed)
     summary["sample"] = sample.decode(new, dataset.vocab_size)
   return summary

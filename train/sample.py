@@ -8,13 +8,16 @@ import numpy as np
 from flax import nnx
 
 
-def generate(graphdef, params, prompt: np.ndarray, *, steps: int, window: int, seed: int = 0,
+def generate(graphdef, states: tuple, prompt: np.ndarray, *, steps: int, window: int, seed: int = 0,
              temperature: float = 0.8) -> np.ndarray:
-  """Appends `steps` sampled tokens to the 1-d `prompt`; returns only the new tokens."""
+  """Appends `steps` sampled tokens to the 1-d `prompt`; returns only the new tokens.
+
+  `states` are the model's nnx states (parameters, and FP8 scaling state where it has one).
+  """
 
   @jax.jit
-  def next_token(params, buf, pos, key):
-    logits = nnx.merge(graphdef, params)(buf[None])[0, pos - 1]  # (V,); causal, so buf[pos:] is ignored
+  def next_token(states, buf, pos, key):
+    logits = nnx.merge(graphdef, *states)(buf[None])[0, pos - 1]  # (V,); causal, so buf[pos:] is ignored
     return jax.random.categorical(key, logits / temperature)
 
   tokens = list(prompt[-window:])
@@ -23,7 +26,7 @@ def generate(graphdef, params, prompt: np.ndarray, *, steps: int, window: int, s
   for key in keys:
     ctx = tokens[-window:]
     buf = jnp.zeros((window,), jnp.int32).at[:len(ctx)].set(jnp.asarray(ctx, jnp.int32))
-    tok = int(next_token(params, buf, len(ctx), key))
+    tok = int(next_token(states, buf, len(ctx), key))
     tokens.append(tok)
     out.append(tok)
   return np.asarray(out)

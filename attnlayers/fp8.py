@@ -1,0 +1,113 @@
+"""FP8 projections through TransformerEngine, and the state their scaling keeps.
+
+`TEFp8DotGeneral` is the `dot_general` of one Flax LinearGeneral (a q/k/v/out projection),
+run as an FP8 GEMM by `transformer_engine.jax.dense.dense` under TE's `autocast` with a
+recipe from `transformer_engine.common.recipe`. The kernel parameter stays an ordinary
+nnx.Param of the same shape, so the parameter tree is the same for every backend.
+
+Delayed scaling keeps, per GEMM operand (x, kernel, grad), a scale and an amax history in
+`FP8Meta` variables: their own NNX variable type, so the optimizer (which takes nnx.Param)
+never sees them. TE updates them the JAX way: the gradient that `jax.grad` returns for an
+FP8Meta *is* its new value (TE's custom VJP hands back the updated quantizers), so a training
+step differentiates with respect to FP8Meta too and assigns the result; train/loop.py does,
+and checkpoints the state with the parameters. Current scaling keeps no state.
+
+TransformerEngine is imported only inside calls, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from attnlayers import device as device_lib
+
+OPERANDS = ("x", "kernel", "grad")  # what TE quantises in one dense: input, weight, output gradient
+
+
+class FP8Unavailable(RuntimeError):
+  """FP8 projections cannot run on this machine; the message names every reason."""
+
+
+def unmet() -> list[str]:
+  """Why TE FP8 GEMMs cannot run on jax's default device ([] = they can)."""
+  dev, reasons = device_lib.current(), []
+  if not dev.is_cuda or dev.compute_capability < (8, 9):
+    reasons.append(f"FP8 GEMMs need an NVIDIA GPU with compute capability >= 8.9; have {dev.describe()}")
+  if not device_lib.has_module("transformer_engine"):
+    reasons.append("TransformerEngine is not installed: pip install 'attnlayers[te]'")
+  return reasons
+
+
+class FP8Meta(nnx.Variable):
+  """FP8 scaling state (scale or amax history); replaced by its gradient, never optimised."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Recipe:
+  """Which TE recipe scales the FP8 GEMMs; the defaults are TE's DelayedScaling as the codelab sets it."""
+  kind: str = "delayed"  # "delayed" (DelayedScaling: scales from an amax history) or "current" (Float8CurrentScaling)
+  margin: int = 0  # delayed: scale = 2^-margin * fp8_max / amax
+  amax_history_len: int = 1024  # delayed: steps of amax kept
+  amax_compute_algo: str = "max"  # delayed: "max" of the history or "most_recent"
+
+  def __post_init__(self):
+    if self.kind not in ("delayed", "current"):
+      raise ValueError(f"FP8Recipe.kind must be 'delayed' or 'current'; got {self.kind!r}")
+    if self.amax_compute_algo not in ("max", "most_recent"):
+      raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent' (what TE/JAX supports); got {self.amax_compute_algo!r}")
+
+  def te_recipe(self):
+    from transformer_engine.common import recipe  # lazy: TE only where FP8 runs
+    if self.kind == "current":
+      return recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)
+    return recipe.DelayedScaling(margin=self.margin, fp8_format=recipe.Format.HYBRID,
+                                 amax_history_len=self.amax_history_len, amax_compute_algo=self.amax_compute_algo)
+
+
+class TEFp8DotGeneral(nnx.Module):
+  """A `dot_general` for nnx.LinearGeneral that runs as a TransformerEngine FP8 GEMM."""
+
+  def __init__(self, recipe: FP8Recipe = FP8Recipe()):
+    self.recipe = recipe
+    if recipe.kind == "delayed":
+      self.scale = nnx.data({n: FP8Meta(jnp.ones((1,), jnp.float32)) for n in OPERANDS})
+      self.amax_history = nnx.data({n: FP8Meta(jnp.zeros((recipe.amax_history_len,), jnp.float32)) for n in OPERANDS})
+
+  def _quantizer_set(self, te_recipe):
+    from transformer_engine.jax.quantize import QuantizeMeta, QuantizeMetaSet, QuantizerFactory
+    from transformer_engine.jax.quantize.helper import get_quantize_config_with_recipe
+    if self.recipe.kind == "delayed":
+      config = get_quantize_config_with_recipe(te_recipe)
+      meta = {n: QuantizeMeta(margin=config.MARGIN, amax_compute_algo=config.AMAX_COMPUTE_ALGO,
+                              scale=self.scale[n][...], amax_history=self.amax_history[n][...]) for n in OPERANDS}
+    else:
+      meta = {n: QuantizeMeta() for n in OPERANDS}
+    return QuantizerFactory.create_set(fp8_recipe=te_recipe, quantize_meta_set=QuantizeMetaSet(**meta))
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None):
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+    if lhs_batch or rhs_batch:
+      raise ValueError(f"FP8 projections take no batch dims in dot_general; got {dimension_numbers}")
+    if out_sharding is not None:
+      raise ValueError("FP8 projections take no out_sharding; shard the inputs instead")
+    if tuple(lhs_contract) != tuple(range(lhs.ndim - len(lhs_contract), lhs.ndim)) or \
+        tuple(rhs_contract) != tuple(range(len(rhs_contract))):
+      raise ValueError(f"FP8 projections contract the input's last dims with the kernel's first; got {dimension_numbers}")
+    if reasons := unmet():
+      raise FP8Unavailable("te-fp8 projections cannot run here:\n  - " + "\n  - ".join(reasons))
+    from transformer_engine.jax import autocast
+    from transformer_engine.jax.dense import dense
+    from transformer_engine.jax.sharding import MeshResource
+    te_recipe = self.recipe.te_recipe()
+    with autocast(enabled=True, recipe=te_recipe, mesh_resource=MeshResource()):
+      return dense(lhs, rhs, None, contracting_dims=(tuple(lhs_contract), tuple(rhs_contract)),
+                   quantizer_set=self._quantizer_set(te_recipe))
+
+
+def use_fp8_projections(layer, recipe: FP8Recipe) -> None:
+  """Makes the q/k/v/out LinearGenerals of a Flax nnx attention layer run as TE FP8 GEMMs, one state each."""
+  for name in ("query", "key", "value", "out"):
+    getattr(layer, name).dot_general = nnx.data(TEFp8DotGeneral(recipe))  # data: its FP8Meta are state
