@@ -138,6 +138,8 @@ def run_case(c: Case, matmul: float, calls: int, warmup: int, reference=None) ->
   explained = attnlayers.explain(backend, q, kv, kv, is_causal=c.causal)
   if not explained.ok:
     return row | {"status": "unavailable", "reason": "; ".join(explained.unmet[backend])}
+  if explained.notes and c.backend not in RAW:
+    row["note"] = "; ".join(explained.notes)  # e.g. te-fp8: whether its core ran in FP8, and if not why
   if c.backend == "naive" and c.B * c.N * c.T * c.T * 4 * (2 if c.pass_ == "fwd+bwd" else 1) > NAIVE_LIMIT_BYTES:
     return row | {"status": "skipped", "reason": f"naive's (B, N, T, S) float32 scores exceed {NAIVE_LIMIT_BYTES / 2**30:.0f} GiB"}
   try:
@@ -194,6 +196,7 @@ def write(out: str, env: dict, rows: list[dict]) -> list[str]:
         (["kv_cache_bytes_per_token"] if section == "heads" else [])
     md.append(f"## {section}\n\n" + report.markdown_table(sel, cols))
     reasons = sorted({f"- {r['backend']} ({r['status']}): {r['reason']}" for r in sel if r["status"] != "ok"})
+    reasons += sorted({f"- {r['backend']} H{r['H']} T{r['T']}: {r['note']}" for r in sel if r.get("note")})
     if reasons:
       md.append("\n".join(reasons))
   overhead = wrapper_overhead(rows)

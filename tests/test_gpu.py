@@ -1,4 +1,7 @@
-"""On an NVIDIA GPU: cudnn and auto for the bfloat16 matrix, and proof the fused kernel ran."""
+"""On an NVIDIA GPU: cudnn and auto for the bfloat16 matrix, and proof the fused kernel ran.
+
+TransformerEngine backends (te, te-fp8): tests/test_gpu_te.py.
+"""
 
 import re
 
@@ -8,15 +11,12 @@ import pytest
 from flax import nnx
 
 import attnlayers
-from attnlayers.device import has_module
 from attnlayers.nnx import MultiHeadAttention
 from tests import cases, reference
 
 pytestmark = pytest.mark.gpu
 GPU_SHAPE = dict(B=2, T=128, S=128, H=64)
 CUDNN_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha[^"]*"')
-TE_FUSED = re.compile(r'custom_call_target="te_fused_attn[^"]*"')
-te_installed = pytest.mark.skipif(not has_module("transformer_engine"), reason="needs TransformerEngine (pip install 'attnlayers[te]')")
 
 
 def targets(fn, *args, pattern=CUDNN_FMHA) -> set[str]:
@@ -71,25 +71,3 @@ def test_cudnn_layer_runs_the_fused_kernel_and_matches_xla():
   graphdef, state = nnx.split(fused)
   assert targets(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
   reference.assert_close(fused(x), plain(x), jnp.bfloat16, what="cudnn layer vs xla layer")
-
-
-@te_installed
-@pytest.mark.parametrize("case", [c for c in cases.matrix((jnp.bfloat16,)) if not c["masked"]], ids=cases.case_id)
-def test_te_matches_reference(case):
-  cases.check("te", case, **GPU_SHAPE)
-
-
-@te_installed
-def test_te_kernel_is_in_compiled_hlo():
-  q, k, v, dout, _ = cases.inputs(dict(heads="GQA", causal=True, masked=False, dtype=jnp.bfloat16), **GPU_SHAPE)
-  attend = lambda q, k, v: attnlayers.attention(q, k, v, backend="te", is_causal=True)
-  grad = jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * dout), (0, 1, 2))
-  found = targets(grad, q, k, v, pattern=TE_FUSED)
-  assert any("backward" in t for t in found) and any("forward" in t for t in found), found
-
-
-@te_installed
-def test_te_refuses_masks_and_names_cudnn():
-  q, k, v, _, mask = cases.inputs(dict(heads="MHA", causal=False, masked=True, dtype=jnp.bfloat16), **GPU_SHAPE)
-  with pytest.raises(attnlayers.BackendUnavailableError, match="use backend='cudnn' for masked calls"):
-    attnlayers.attention(q, k, v, backend="te", mask=mask)

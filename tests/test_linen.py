@@ -91,3 +91,10 @@ def test_custom_attention_fn_and_backend_conflict():
   layer = al.MultiHeadDotProductAttention(num_heads=4, attention_fn=nn.dot_product_attention, backend="xla")
   with pytest.raises(ValueError, match="either attention_fn= or backend="):
     layer.init(jax.random.key(0), x)
+
+
+def test_te_fp8_points_to_the_nnx_layer():
+  layer = al.MultiHeadDotProductAttention(num_heads=4, backend="te-fp8")
+  x = jnp.ones((1, 8, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="use attnlayers.nnx.MultiHeadAttention"):
+    layer.init(jax.random.key(0), x, x)

@@ -7,6 +7,8 @@ import pytest
 from flax import nnx
 
 import attnlayers
+from attnlayers.fp8 import OPERANDS as FP8_OPERANDS
+from attnlayers.fp8 import FP8Meta, FP8Recipe, FP8Unavailable
 from attnlayers.flax_attention import BackendAttention
 from attnlayers.nnx import MultiHeadAttention
 from tests import reference
@@ -141,3 +143,32 @@ def test_jit_and_grad_through_layer():
   grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)))(layer, x)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
   assert float(jnp.abs(grads["query"]["kernel"][...]).sum()) > 0
+
+
+def test_te_fp8_keeps_flax_parameters_and_adds_fp8_state_beside_them():
+  fp8_layer = MultiHeadAttention(4, D, backend="te-fp8", decode=False, rngs=nnx.Rngs(0))
+  plain = MultiHeadAttention(4, D, backend="xla", decode=False, rngs=nnx.Rngs(0))
+  jax.tree.map(np.testing.assert_array_equal, params_of(fp8_layer), params_of(plain))
+  meta = nnx.to_pure_dict(nnx.state(fp8_layer, FP8Meta))
+  assert set(meta) == {"query", "key", "value", "out"}
+  for proj in meta.values():
+    for operand in FP8_OPERANDS:
+      np.testing.assert_array_equal(proj["dot_general"]["scale"][operand], np.ones(1))
+      np.testing.assert_array_equal(proj["dot_general"]["amax_history"][operand], np.zeros(1024))
+  current = MultiHeadAttention(4, D, backend="te-fp8", fp8_recipe=FP8Recipe(kind="current"), decode=False,
+                               rngs=nnx.Rngs(0))
+  assert not nnx.state(current, FP8Meta)  # current scaling keeps no state
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU message")
+def test_te_fp8_layer_on_cpu_names_every_reason():
+  layer = MultiHeadAttention(4, D, backend="te-fp8", decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(FP8Unavailable, match=r"compute capability >= 8.9; have cpu(.|\n)*pip install 'attnlayers\[te\]'"):
+    layer(jnp.ones((1, 8, D)))
+
+
+def test_fp8_recipe_is_checked():
+  with pytest.raises(ValueError, match="applies to backend='te-fp8' only"):
+    MultiHeadAttention(4, D, backend="xla", fp8_recipe=FP8Recipe(), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="'delayed' or 'current'"):
+    FP8Recipe(kind="mxfp8")

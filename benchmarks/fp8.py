@@ -1,0 +1,153 @@
+"""`python -m benchmarks.fp8`: what FP8 buys, per pass, for the core and the whole layer.
+
+Core (default B2 T8192 N32 H128 causal): the bf16 cuDNN and TE cores against te-fp8's core
+(per-tensor quantisation + cuDNN FP8 forward + bf16 backward) and against the bare cuDNN
+FP8 kernels on already-quantised inputs with unit scales, forward and backward separately,
+so the FP8 backward's cost is measured next to the bf16 one the core uses.
+Layer (default B4 T4096 d_model 4096 N32, causal): te vs te-fp8 (delayed and current
+scaling) vs cudnn, forward and forward+backward, plus the four projection GEMMs alone in
+bf16 and in FP8, which is where most of a layer's FLOPs are.
+
+Every figure is a median of >= 20 calls after compilation and warm-up (benchmarks.common);
+ratios are within this one run. Writes fp8.json and fp8.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import attnlayers
+from attnlayers.backends import _fp8_core
+from attnlayers.fp8 import FP8Meta, FP8Recipe, TEFp8DotGeneral
+from attnlayers.nnx import MultiHeadAttention
+from benchmarks import common, report
+
+BF16 = jnp.bfloat16
+
+
+def _grad(f, argnums):
+  return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=argnums)
+
+
+def core_programs(B, T, N, H, causal):
+  """name -> (pass, fn, args, flops)."""
+  kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(key, (B, T, N, H), BF16) for key in (kq, kk, kv, kd))  # (B, T, N, H)
+  scale = H ** -0.5
+  fwd_flops = 4 * B * N * T * T * H * (0.5 if causal else 1.0)
+  out = {}
+  for backend in ("cudnn", "te", "te-fp8"):
+    f = lambda q, k, v, b=backend: attnlayers.attention(q, k, v, backend=b, is_causal=causal)
+    out[f"{backend} core"] = ("fwd", f, (q, k, v), fwd_flops)
+    out[f"{backend} core "] = ("fwd+bwd", _grad(f, (0, 1, 2)), (q, k, v), 3.5 * fwd_flops)
+  q8, k8, v8, do8 = (x.astype(_fp8_core.E4M3) for x in (q, k, v, do))
+  ones = (1.0, 1.0, 1.0)
+  raw = lambda training: (lambda q8, k8, v8: _fp8_core.fp8_forward(
+      q8, k8, v8, ones, 1.0, scale=scale, is_causal=causal, training=training)[0])
+  out["fp8 kernel, inference fwd"] = ("fwd", raw(False), (q8, k8, v8), fwd_flops)
+  out["fp8 kernel, training fwd"] = ("fwd", raw(True), (q8, k8, v8), fwd_flops)
+  # backward kernels alone, from one forward's saved outputs and statistics
+  o8, _, _, stats = jax.jit(lambda *a: _fp8_core.fp8_forward(*a, ones, 1.0, scale=scale, is_causal=causal,
+                                                             training=True))(q8, k8, v8)
+  o = o8.astype(BF16)
+  out["fp8 kernel, bwd"] = ("bwd", lambda *a: _fp8_core.fp8_backward(*a, scale=scale, is_causal=causal),
+                            (q8, k8, v8, o8, do8, stats), 2.5 * fwd_flops)
+  out["bf16 kernel, bwd (te-fp8's)"] = ("bwd", lambda *a: _fp8_core.bf16_backward(*a, scale=scale, is_causal=causal),
+                                        (q, k, v, stats, o, do), 2.5 * fwd_flops)
+  return out
+
+
+def layer_programs(B, T, D, N, causal):
+  x = jax.random.normal(jax.random.key(1), (B, T, D), BF16)
+  H = D // N
+  core = 4 * B * N * T * T * H * (0.5 if causal else 1.0)
+  proj = 4 * 2 * B * T * D * D
+  out = {}
+  for name, backend, recipe in (("te", "te", None), ("cudnn", "cudnn", None), ("te-fp8 delayed", "te-fp8", FP8Recipe()),
+                                ("te-fp8 current", "te-fp8", FP8Recipe(kind="current"))):
+    layer = MultiHeadAttention(N, D, decode=False, backend=backend, is_causal=causal, dtype=BF16, fp8_recipe=recipe,
+                               rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    f = lambda s, x, g=graphdef: nnx.merge(g, s)(x)
+    out[f"{name} layer"] = ("fwd", f, (state, x), core + proj)
+    out[f"{name} layer "] = ("fwd+bwd", _grad(f, (0, 1)), (state, x), 3.5 * core + 3 * proj)
+  # the four projection GEMMs alone: four inputs, so XLA cannot merge them into one product
+  xs = jax.random.normal(jax.random.key(3), (4, B, T, D), BF16)
+  w = jax.random.normal(jax.random.key(2), (4, D, D), BF16) / D**0.5
+  bf16_gemms = lambda xs, w: jnp.stack([jnp.einsum("btd,de->bte", xs[i], w[i]) for i in range(4)])
+  graphdef, meta = nnx.split(nnx.List([TEFp8DotGeneral(FP8Recipe()) for _ in range(4)]), FP8Meta)
+
+  def fp8_gemms(xs, w, meta):
+    dots = nnx.merge(graphdef, meta)
+    return jnp.stack([dots[i](xs[i], w[i], (((2,), (0,)), ((), ()))) for i in range(4)])
+  out["4 projections bf16"] = ("fwd+bwd", _grad(bf16_gemms, (0, 1)), (xs, w), 3 * proj)
+  out["4 projections fp8 (TE, delayed)"] = ("fwd+bwd", _grad(fp8_gemms, (0, 1, 2)), (xs, w, meta), 3 * proj)
+  return out
+
+
+def measure(programs, matmul, calls, warmup) -> list[dict]:
+  rows = []
+  for name, (pass_, fn, args, flops) in programs.items():
+    row = {"name": name.strip(), "pass": pass_}
+    try:
+      t = common.time_fn(jax.jit(fn), *args, warmup=warmup, calls=calls)
+    except Exception as e:  # noqa: BLE001 - a failing program is a row with its message
+      rows.append(row | {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+      continue
+    tflops = flops / (t.median_ms * 1e-3) / 1e12
+    rows.append(row | {"status": "ok", "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
+                       "calls": t.calls, "tflops": tflops, "vs_matmul": tflops / matmul})
+  return rows
+
+
+def ratio(rows, a, b, pass_):
+  get = {(r["name"], r["pass"]): r.get("median_ms") for r in rows}
+  ta, tb = get.get((a, pass_)), get.get((b, pass_))
+  return tb / ta if ta and tb else None
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.fp8", description=__doc__.splitlines()[0])
+  p.add_argument("--core", nargs=4, type=int, default=[2, 8192, 32, 128], metavar=("B", "T", "N", "H"))
+  p.add_argument("--layer", nargs=4, type=int, default=[4, 4096, 4096, 32], metavar=("B", "T", "D", "N"))
+  p.add_argument("--calls", type=int, default=20)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--out", default="benchmarks/results/h200")
+  a = p.parse_args(argv)
+  env = common.environment() | {"matmul_bf16_tflops": common.matmul_tflops()}
+  print(env, flush=True)
+  rows = [r | {"level": "core"} for r in measure(core_programs(*a.core, causal=True), env["matmul_bf16_tflops"],
+                                                 a.calls, a.warmup)]
+  rows += [r | {"level": "layer"} for r in measure(layer_programs(*a.layer, causal=True), env["matmul_bf16_tflops"],
+                                                   a.calls, a.warmup)]
+  ratios = {
+      "te-fp8 core fwd vs cudnn core fwd": ratio(rows, "te-fp8 core", "cudnn core", "fwd"),
+      "fp8 kernel (inference fwd) vs cudnn core fwd": ratio(rows, "fp8 kernel, inference fwd", "cudnn core", "fwd"),
+      "fp8 bwd kernel vs bf16 bwd kernel": ratio(rows, "fp8 kernel, bwd", "bf16 kernel, bwd (te-fp8's)", "bwd"),
+      "te-fp8 core fwd+bwd vs cudnn core fwd+bwd": ratio(rows, "te-fp8 core", "cudnn core", "fwd+bwd"),
+      "te-fp8 delayed layer fwd+bwd vs te layer": ratio(rows, "te-fp8 delayed layer", "te layer", "fwd+bwd"),
+      "te-fp8 current layer fwd+bwd vs te layer": ratio(rows, "te-fp8 current layer", "te layer", "fwd+bwd"),
+      "fp8 projections vs bf16 projections (fwd+bwd)": ratio(rows, "4 projections fp8 (TE, delayed)",
+                                                             "4 projections bf16", "fwd+bwd"),
+  }
+  env |= {"core_shape": dict(zip("BTNH", a.core)), "layer_shape": dict(zip("BTDN", a.layer)), "causal": True}
+  os.makedirs(a.out, exist_ok=True)
+  report.write_json(os.path.join(a.out, "fp8.json"), env | {"speedups": ratios}, rows)
+  cols = ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul"]
+  speed = "\n".join(f"| {k} | {v:.3f}x |" if v else f"| {k} | n/a |" for k, v in ratios.items())
+  md = (f"# FP8 benchmarks\n\n{env}\n\n" + report.markdown_table(rows, cols) +
+        "\n\n| speed-up (same run, median time ratio) | |\n|---|---|\n" + speed + "\n")
+  errors = [f"- {r['name']} ({r['pass']}): {r['reason']}" for r in rows if r["status"] != "ok"]
+  md += "\n".join(errors) + ("\n" if errors else "")
+  with open(os.path.join(a.out, "fp8.md"), "w") as f:
+    f.write(md)
+  print(md)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,120 @@
+"""On an NVIDIA GPU with TransformerEngine: te and te-fp8 against the float64 reference, and
+proof in the compiled HLO that the TE and FP8 kernels ran."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import attnlayers
+from attnlayers.device import has_module
+from attnlayers.fp8 import FP8Meta, FP8Recipe
+from attnlayers.nnx import MultiHeadAttention
+from tests import cases, reference
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not has_module("transformer_engine"), reason="needs TransformerEngine (pip install 'attnlayers[te]')")]
+GPU_SHAPE = dict(B=2, T=128, S=128, H=64)
+FP8_SHAPE = dict(B=2, T=256, S=256, H=128)  # what cuDNN's FP8 attention takes: H 128, T and S multiples of 128
+UNMASKED = [c for c in cases.matrix((jnp.bfloat16,)) if not c["masked"]]
+
+
+def custom_calls(fn, *args) -> list[str]:
+  """Every custom-call line of the compiled HLO of fn(*args)."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return [line for line in text.splitlines() if "custom_call_target=" in line]
+
+
+def targets(lines) -> set[str]:
+  return {m for line in lines for m in re.findall(r'custom_call_target="([^"]*)"', line)}
+
+
+def grad_of(backend, causal, dout, mask=None):
+  attend = lambda q, k, v: attnlayers.attention(q, k, v, backend=backend, is_causal=causal, mask=mask)
+  return attend, jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * dout), (0, 1, 2))
+
+
+@pytest.mark.parametrize("case", cases.matrix((jnp.bfloat16,)), ids=cases.case_id)
+def test_te_matches_reference(case):
+  cases.check("te", case, **GPU_SHAPE)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_te_kernel_is_in_compiled_hlo(masked):
+  q, k, v, dout, mask = cases.inputs(dict(heads="GQA", causal=True, masked=masked, dtype=jnp.bfloat16), **GPU_SHAPE)
+  _, grad = grad_of("te", True, dout, mask)
+  found = targets(custom_calls(grad, q, k, v))
+  assert any(t.startswith("te_fused_attn_forward") for t in found), found
+  assert any(t.startswith("te_fused_attn_backward") for t in found), found
+
+
+@pytest.mark.parametrize("case", UNMASKED, ids=cases.case_id)
+def test_te_fp8_core_matches_reference(case):
+  cases.check("te-fp8", case, tolerance="fp8", **FP8_SHAPE)
+
+
+def test_te_fp8_core_runs_cudnn_fp8_forward_and_bf16_backward():
+  q, k, v, dout, _ = cases.inputs(dict(heads="GQA", causal=True, masked=False, dtype=jnp.bfloat16), **FP8_SHAPE)
+  attend, grad = grad_of("te-fp8", True, dout)
+  assert "__cudnn$fmhaSoftmaxF8" in targets(custom_calls(attend, q, k, v))
+  lines = custom_calls(grad, q, k, v)
+  assert {"__cudnn$fmhaSoftmaxF8", "__cudnn$fmhaSoftmaxBackward"} <= targets(lines), targets(lines)
+  fp8_call = next(line for line in lines if '"__cudnn$fmhaSoftmaxF8"' in line)
+  assert "f8e4m3fn" in fp8_call, fp8_call  # the kernel's q/k/v operands are E4M3
+
+
+@pytest.mark.parametrize("case", [dict(heads="GQA", causal=True, masked=True, dtype=jnp.bfloat16),
+                                  dict(heads="MHA", causal=False, masked=False, dtype=jnp.bfloat16)],
+                         ids=cases.case_id)
+def test_te_fp8_core_runs_bf16_where_fp8_cannot_and_says_why(case):
+  q, k, v, _, mask = cases.inputs(case, **GPU_SHAPE)  # head dim 64: not an FP8 shape
+  plan = attnlayers.explain("te-fp8", q, k, v, is_causal=case["causal"], mask=mask)
+  assert plan.chosen == "te" or plan.chosen == "te-fp8"
+  assert any("TransformerEngine bf16 fused attention" in n and "head dim 128" in n for n in plan.notes), plan.notes
+  cases.check("te-fp8", case, **GPU_SHAPE)  # bf16 tolerance: it is the bf16 kernel
+
+
+def test_te_fp8_explain_names_the_fp8_core():
+  q, k, v, _, _ = cases.inputs(dict(heads="MHA", causal=True, masked=False, dtype=jnp.bfloat16), **FP8_SHAPE)
+  plan = attnlayers.explain("te-fp8", q, k, v, is_causal=True)
+  assert plan.chosen == "te-fp8" and "cuDNN FP8" in str(plan), str(plan)
+
+
+def _layers(recipe=None):
+  make = lambda backend, **kw: MultiHeadAttention(4, 512, decode=False, backend=backend, is_causal=True,
+                                                  dtype=jnp.bfloat16, rngs=nnx.Rngs(0), **kw)
+  return make("te-fp8", fp8_recipe=recipe), make("te")
+
+
+@pytest.mark.parametrize("recipe", [FP8Recipe(), FP8Recipe(kind="current")], ids=["delayed", "current"])
+def test_te_fp8_layer_gemms_and_core_run_in_fp8(recipe):
+  fp8_layer, te_layer = _layers(recipe)
+  x = jax.random.normal(jax.random.key(1), (2, 256, 512)).astype(jnp.bfloat16)
+  same_tree = jax.tree.structure(nnx.state(fp8_layer, nnx.Param)) == jax.tree.structure(nnx.state(te_layer, nnx.Param))
+  assert same_tree, "te-fp8 must keep Flax's parameter tree"
+  graphdef, params, meta = nnx.split(fp8_layer, nnx.Param, FP8Meta)
+  loss = lambda p, m, x: jnp.sum(nnx.merge(graphdef, p, m)(x).astype(jnp.float32) ** 2)
+  lines = custom_calls(jax.grad(loss, argnums=(0, 1)), params, meta, x)
+  gemms = [line for line in lines if re.search(r'custom_call_target="[^"]*(gemm|matmul)[^"]*"', line)]
+  assert any("f8e4m3fn" in line for line in gemms), targets(lines)  # FP8 projections
+  assert "__cudnn$fmhaSoftmaxF8" in targets(lines)  # FP8 attention core
+  # A delayed-scaling step's first outputs equal current scaling's within FP8 error, vs the bf16 te layer.
+  reference.assert_close(fp8_layer(x), te_layer(x), "fp8", what="te-fp8 layer vs te layer")
+
+
+def test_te_fp8_delayed_scaling_state_is_updated_by_the_gradient():
+  fp8_layer, _ = _layers()
+  x = jax.random.normal(jax.random.key(1), (2, 256, 512)).astype(jnp.bfloat16)
+  graphdef, params, meta = nnx.split(fp8_layer, nnx.Param, FP8Meta)
+  loss = lambda p, m: jnp.sum(nnx.merge(graphdef, p, m)(x).astype(jnp.float32) ** 2)
+  _, new = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, meta)
+  flat = {"/".join(map(str, path)): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(new)}
+  assert len(flat) == 4 * 3 * 2, sorted(flat)  # q/k/v/out x (x, kernel, grad) x (scale, amax_history)
+  for name, value in flat.items():
+    if "amax_history" in name:
+      assert value.max() > 0, f"{name}: no amax recorded"
+    else:
+      assert np.isfinite(value).all() and value[0] != 1.0, f"{name}: scale not updated ({value})"
