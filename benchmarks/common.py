@@ -60,3 +60,19 @@ def environment() -> dict:
   return {"jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
           "device": getattr(dev, "device_kind", dev.platform), "devices": jax.device_count(),
           "platform": dev.platform}
+
+
+def forward_backward(f, args: tuple):
+  """(fn, args) timing f's forward and backward for every arg, with a random output cotangent.
+
+  A loss like sum(f(x)) would hand back a cotangent of ones, with which XLA turns some
+  backward matmuls into plain sums; a random cotangent (passed in, not baked into the
+  program) keeps every backward product a real one, as in training.
+  """
+  out = jax.eval_shape(f, *args)
+  cotangent = jax.random.normal(jax.random.key(7), out.shape, jnp.float32).astype(out.dtype)
+
+  def fwd_bwd(*a):
+    _, pullback = jax.vjp(f, *a[:-1])
+    return pullback(a[-1])
+  return fwd_bwd, (*args, cotangent)

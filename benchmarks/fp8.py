@@ -30,10 +30,6 @@ from benchmarks import common, report
 BF16 = jnp.bfloat16
 
 
-def _grad(f, argnums):
-  return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=argnums)
-
-
 def core_programs(B, T, N, H, causal):
   """name -> (pass, fn, args, flops)."""
   kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
@@ -44,8 +40,10 @@ def core_programs(B, T, N, H, causal):
   for backend in ("cudnn", "te", "te-fp8"):
     f = lambda q, k, v, b=backend: attnlayers.attention(q, k, v, backend=b, is_causal=causal)
     out[f"{backend} core"] = ("fwd", f, (q, k, v), fwd_flops)
-    out[f"{backend} core "] = ("fwd+bwd", _grad(f, (0, 1, 2)), (q, k, v), 3.5 * fwd_flops)
+    out[f"{backend} core "] = ("fwd+bwd", *common.forward_backward(f, (q, k, v)), 3.5 * fwd_flops)
+  quantize = lambda q, k, v, o8: ([_fp8_core._quantize(x) for x in (q, k, v)], o8.astype(BF16) * 0.5)
   q8, k8, v8, do8 = (x.astype(_fp8_core.E4M3) for x in (q, k, v, do))
+  out["te-fp8's scaling alone: amax + quantise q, k, v; dequantise O"] = ("fwd", quantize, (q, k, v, q8), 0.0)
   ones = (1.0, 1.0, 1.0)
   raw = lambda training: (lambda q8, k8, v8: _fp8_core.fp8_forward(
       q8, k8, v8, ones, 1.0, scale=scale, is_causal=causal, training=training)[0])
@@ -75,7 +73,7 @@ def layer_programs(B, T, D, N, causal):
     graphdef, state = nnx.split(layer)
     f = lambda s, x, g=graphdef: nnx.merge(g, s)(x)
     out[f"{name} layer"] = ("fwd", f, (state, x), core + proj)
-    out[f"{name} layer "] = ("fwd+bwd", _grad(f, (0, 1)), (state, x), 3.5 * core + 3 * proj)
+    out[f"{name} layer "] = ("fwd+bwd", *common.forward_backward(f, (state, x)), 3.5 * core + 3 * proj)
   # the four projection GEMMs alone: four inputs, so XLA cannot merge them into one product
   xs = jax.random.normal(jax.random.key(3), (4, B, T, D), BF16)
   w = jax.random.normal(jax.random.key(2), (4, D, D), BF16) / D**0.5
@@ -85,8 +83,8 @@ def layer_programs(B, T, D, N, causal):
   def fp8_gemms(xs, w, meta):
     dots = nnx.merge(graphdef, meta)
     return jnp.stack([dots[i](xs[i], w[i], (((2,), (0,)), ((), ()))) for i in range(4)])
-  out["4 projections bf16"] = ("fwd+bwd", _grad(bf16_gemms, (0, 1)), (xs, w), 3 * proj)
-  out["4 projections fp8 (TE, delayed)"] = ("fwd+bwd", _grad(fp8_gemms, (0, 1, 2)), (xs, w, meta), 3 * proj)
+  out["4 projections bf16"] = ("fwd+bwd", *common.forward_backward(bf16_gemms, (xs, w)), 3 * proj)
+  out["4 projections fp8 (TE, delayed)"] = ("fwd+bwd", *common.forward_backward(fp8_gemms, (xs, w, meta)), 3 * proj)
   return out
 
 
@@ -99,9 +97,9 @@ def measure(programs, matmul, calls, warmup) -> list[dict]:
     except Exception as e:  # noqa: BLE001 - a failing program is a row with its message
       rows.append(row | {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
       continue
-    tflops = flops / (t.median_ms * 1e-3) / 1e12
+    tflops = flops / (t.median_ms * 1e-3) / 1e12 if flops else None  # None: memory-bound work, no FLOPs counted
     rows.append(row | {"status": "ok", "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
-                       "calls": t.calls, "tflops": tflops, "vs_matmul": tflops / matmul})
+                       "calls": t.calls, "tflops": tflops, "vs_matmul": tflops and tflops / matmul})
   return rows
 
 

@@ -68,7 +68,7 @@ class Case:
     return total
 
 
-def plan(quick: bool, sections: list[str]) -> list[Case]:
+def plan(quick: bool, sections: list[str], seqs: list[int] | None = None, batches: list[int] | None = None) -> list[Case]:
   passes = ("fwd", "fwd+bwd")
   cases = []
   if "default" in sections:
@@ -76,7 +76,8 @@ def plan(quick: bool, sections: list[str]) -> list[Case]:
       for backend, dtype in [("naive", "float32"), ("xla", "float32"), ("xla", "bfloat16"), ("cudnn", "bfloat16"),
                              ("te", "bfloat16"), ("te-fp8", "bfloat16")]:
         cases += [Case("default", backend, dtype, 4, 128, 8, 8, 64, False, p, level) for p in passes]
-  seqs = [64, 128, 256] if quick else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+  seqs = seqs or ([64, 128, 256] if quick else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+  batches = batches or ([1, 2] if quick else [1, 2, 4, 8, 16])
   big = dict(N=4, K=4, H=32) if quick else dict(N=16, K=16, H=128)
   if "seq" in sections:
     backends = BACKEND_DTYPES + [(raw, "bfloat16") for raw in RAW]
@@ -84,7 +85,7 @@ def plan(quick: bool, sections: list[str]) -> list[Case]:
               for b, d in backends for p in passes]
   if "batch" in sections:
     for t in ([64, 128] if quick else [256, 4096]):
-      cases += [Case(f"batch-T{t}", b, d, bs, t, causal=c, pass_=p, **big) for bs in ([1, 2] if quick else [1, 2, 4, 8, 16])
+      cases += [Case(f"batch-T{t}", b, d, bs, t, causal=c, pass_=p, **big) for bs in batches
                 for c in (False, True) for b, d in BACKEND_DTYPES for p in passes]
   if "heads" in sections:
     N, T, H = (8, 128, 32) if quick else (32, 4096, 128)
@@ -125,7 +126,7 @@ def _program(c: Case):
     args = (state, x)
   if c.pass_ == "fwd":
     return f, args
-  return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=tuple(range(len(args)))), args
+  return common.forward_backward(f, args)
 
 
 def run_case(c: Case, matmul: float, calls: int, warmup: int, reference=None) -> dict:
@@ -228,13 +229,15 @@ def main(argv=None) -> None:
   p.add_argument("--quick", action="store_true", help="a CPU-sized subset (what CI runs)")
   p.add_argument("--sections", nargs="+", default=["default", "seq", "batch", "heads", "headdim"],
                  choices=["default", "seq", "batch", "heads", "headdim"])
+  p.add_argument("--seqs", type=int, nargs="+", help="T values of the seq section (default 64 ... 16384)")
+  p.add_argument("--batches", type=int, nargs="+", help="B values of the batch sections (default 1 ... 16)")
   p.add_argument("--calls", type=int, help="timed calls per row (default 20; 3 with --quick)")
   p.add_argument("--out", default="benchmarks/results")
   a = p.parse_args(argv)
   calls, warmup = (a.calls or (3 if a.quick else 20)), (1 if a.quick else 3)
   matmul = common.matmul_tflops(n=1024 if a.quick else 8192, calls=3 if a.quick else 20)
   env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": 1024 if a.quick else 8192}
-  cases = plan(a.quick, a.sections)
+  cases = plan(a.quick, a.sections, a.seqs, a.batches)
   rows, reference = [], {}
   for c in tqdm(cases, unit="row"):
     ref = None

@@ -18,13 +18,17 @@ import models
 from benchmarks import common, report
 
 
-def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int) -> dict:
+def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int, timeout_s: float) -> dict:
   """One `python -m train` process per run, so compilation caches and peak memory are its own."""
   row = {"backend": backend, "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "steps": steps}
   cmd = [sys.executable, "-m", "train", "--attn", backend, "--preset", preset, "--seq-len", str(seq_len),
          "--batch-size", str(batch_size), "--steps", str(steps), "--warmup", str(min(10, steps)),
          "--eval-every", "0", "--log-every", str(max(1, steps // 6)), "--sample-tokens", "0", "--no-progress"]
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                          timeout=timeout_s)
+  except subprocess.TimeoutExpired:
+    return row | {"status": "error", "reason": f"did not finish within --run-timeout {timeout_s:.0f} s"}
   if proc.returncode != 0:
     reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}"
     unavailable = "cannot run" in proc.stderr
@@ -55,15 +59,20 @@ def main(argv=None) -> None:
   p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"])
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
   p.add_argument("--seq-len", type=int, nargs="+", default=[1024])
-  p.add_argument("--batch-size", type=int, default=32)
+  p.add_argument("--batch-size", type=int, nargs="+", default=[32],
+                 help="global batch; one value for every --seq-len, or one per --seq-len")
   p.add_argument("--steps", type=int, default=40)
+  p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
   p.add_argument("--matmul-n", type=int, default=8192, help="size of the same-run matmul yardstick (n^3)")
   p.add_argument("--out", default="benchmarks/results", help="folder for train.json, .csv, .md and plots")
   a = p.parse_args(argv)
+  if len(a.batch_size) not in (1, len(a.seq_len)):
+    p.error(f"--batch-size takes one value or one per --seq-len ({len(a.seq_len)}); got {a.batch_size}")
+  batches = a.batch_size * len(a.seq_len) if len(a.batch_size) == 1 else a.batch_size
   rows = []
-  for seq_len in a.seq_len:
+  for seq_len, batch_size in zip(a.seq_len, batches):
     for backend in a.backends:
-      rows.append(run_one(backend, a.preset, seq_len, a.batch_size, a.steps))
+      rows.append(run_one(backend, a.preset, seq_len, batch_size, a.steps, a.run_timeout))
       print(json.dumps(rows[-1]), flush=True)
   # after the runs: this process takes the GPU only once the children have let it go
   matmul = common.matmul_tflops(n=a.matmul_n)
