@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 import jax
@@ -28,17 +29,12 @@ from tqdm.auto import tqdm
 
 import attnlayers
 from attnlayers.nnx import MultiHeadAttention
-from attnlayers.backends import te as te_backend
-from benchmarks import common, report
+from benchmarks import common, report, wrapper
 
 BACKEND_DTYPES = [("naive", "bfloat16"), ("xla", "bfloat16"), ("cudnn", "bfloat16"), ("te", "bfloat16"),
                   ("te-fp8", "bfloat16")]
 # The kernels called directly, without attnlayers around them: the yardstick for the wrapper's cost.
-RAW = {
-    "cudnn-raw": ("cudnn", lambda q, k, v, causal: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal, implementation="cudnn")),
-    "te-raw": ("te", lambda q, k, v, causal: te_backend.run(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal)),
-}
+RAW = {f"{name}-raw": (name, kernel) for name, kernel in wrapper.RAW.items()}
 NAIVE_LIMIT_BYTES = 16 * 2**30  # naive materialises (B, N, T, S) float32 scores; larger rows are skipped
 
 
@@ -233,7 +229,19 @@ def main(argv=None) -> None:
   p.add_argument("--batches", type=int, nargs="+", help="B values of the batch sections (default 1 ... 16)")
   p.add_argument("--calls", type=int, help="timed calls per row (default 20; 3 with --quick)")
   p.add_argument("--out", default="benchmarks/results")
+  p.add_argument("--merge", nargs="+", metavar="LAYER_JSON",
+                 help="times nothing: writes one report from earlier runs' layer.json (e.g. one per --sections)")
   a = p.parse_args(argv)
+  if a.merge:
+    runs = []
+    for path in a.merge:
+      with open(path) as f:
+        runs.append(json.load(f))
+    env = runs[0]["environment"] | {"matmul_bf16_tflops": [r["environment"]["matmul_bf16_tflops"] for r in runs],
+                                    "note": "rows from several processes; each row's vs_matmul uses its own process's matmul"}
+    plots = write(a.out, env, [row for r in runs for row in r["rows"]])
+    print(f"merged {len(a.merge)} runs; wrote layer.json, layer.csv, layer.md and {len(plots)} plots to {a.out}")
+    return
   calls, warmup = (a.calls or (3 if a.quick else 20)), (1 if a.quick else 3)
   matmul = common.matmul_tflops(n=1024 if a.quick else 8192, calls=3 if a.quick else 20)
   env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": 1024 if a.quick else 8192}

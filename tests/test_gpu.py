@@ -71,3 +71,10 @@ def test_cudnn_layer_runs_the_fused_kernel_and_matches_xla():
   graphdef, state = nnx.split(fused)
   assert targets(lambda s, x: nnx.merge(graphdef, s)(x), state, x)
   reference.assert_close(fused(x), plain(x), jnp.bfloat16, what="cudnn layer vs xla layer")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_core_compiles_to_the_raw_kernels_program(causal):
+  from benchmarks.wrapper import hlo_ops, programs
+  ours, raw, args = programs("cudnn", causal, "fwd+bwd", (2, 1024, 4, 128))
+  assert hlo_ops(ours, *args) == hlo_ops(raw, *args)

@@ -118,3 +118,10 @@ def test_te_fp8_delayed_scaling_state_is_updated_by_the_gradient():
       assert value.max() > 0, f"{name}: no amax recorded"
     else:
       assert np.isfinite(value).all() and value[0] != 1.0, f"{name}: scale not updated ({value})"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_te_core_compiles_to_the_raw_kernels_program(causal):
+  from benchmarks.wrapper import hlo_ops, programs
+  ours, raw, args = programs("te", causal, "fwd+bwd", (2, 1024, 4, 128))
+  assert hlo_ops(ours, *args) == hlo_ops(raw, *args)

@@ -1,0 +1,102 @@
+"""`python -m benchmarks.wrapper`: what attnlayers.attention costs over calling the kernel directly.
+
+The raw kernels are called as a user would without attnlayers: jax.nn.dot_product_attention
+(implementation="cudnn") and TransformerEngine's fused_attn. For each (backend, T, causal,
+pass) the two programs are (1) compared op by op in the compiled HLO (a wrapper that adds a
+transpose, cast or copy shows up there) and (2) timed in alternating rounds, so clock and
+thermal drift hit both alike; the ratio is median(ours) / median(raw) over the rounds.
+Writes wrapper.json and wrapper.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attnlayers
+from benchmarks import common, report
+
+
+def cudnn_raw(q, k, v, causal: bool):
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def te_raw(q, k, v, causal: bool):
+  from transformer_engine.jax import attention as te  # TE's own op, as its users call it
+  (B, T, _, H), S = q.shape, k.shape[1]
+  lengths = te.SequenceDescriptor.from_seqlens((jnp.full((B,), T, jnp.int32), jnp.full((B,), S, jnp.int32)))
+  mask = te.AttnMaskType.CAUSAL_MASK if causal else te.AttnMaskType.NO_MASK
+  return te.fused_attn((q, k, v), None, lengths, None, attn_bias_type=te.AttnBiasType.NO_BIAS, attn_mask_type=mask,
+                       qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD, softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX,
+                       scaling_factor=H ** -0.5, dropout_probability=0.0, is_training=True)
+
+
+RAW = {"cudnn": cudnn_raw, "te": te_raw}  # backend -> the kernel called directly
+_OP = re.compile(r"=\s+(?:\([^=]*?\)|\S+)\s+([a-z][\w-]*)\(")
+_IGNORED = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+
+
+def hlo_ops(fn, *args) -> collections.Counter:
+  """Instruction counts by opcode (fused bodies included) of fn's compiled program."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return collections.Counter(op for op in _OP.findall(text) if op not in _IGNORED)
+
+
+def programs(backend: str, causal: bool, pass_: str, shape):
+  B, T, N, H = shape
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (B, T, N, H), jnp.bfloat16) for key in keys)  # (B, T, N, H)
+  ours = lambda q, k, v: attnlayers.attention(q, k, v, backend=backend, is_causal=causal)
+  raw = lambda q, k, v: RAW[backend](q, k, v, causal)
+  if pass_ == "fwd":
+    return ours, raw, (q, k, v)
+  fb_ours, args = common.forward_backward(ours, (q, k, v))
+  fb_raw, _ = common.forward_backward(raw, (q, k, v))
+  return fb_ours, fb_raw, args
+
+
+def measure(backend, T, causal, pass_, N, H, B, rounds, calls) -> dict:
+  row = {"backend": backend, "B": B, "T": T, "N": N, "H": H, "causal": causal, "pass": pass_}
+  ours, raw, args = programs(backend, causal, pass_, (B, T, N, H))
+  ops_ours, ops_raw = hlo_ops(ours, *args), hlo_ops(raw, *args)
+  ours, raw = jax.jit(ours), jax.jit(raw)
+  t_ours, t_raw = [], []
+  for _ in range(rounds):
+    t_ours.append(common.time_fn(ours, *args, calls=calls).median_ms)
+    t_raw.append(common.time_fn(raw, *args, calls=calls).median_ms)
+  diff = sorted(f"{op}: {ops_ours[op]} vs {ops_raw[op]}" for op in ops_ours | ops_raw if ops_ours[op] != ops_raw[op])
+  return row | {"ours_ms": float(np.median(t_ours)), "raw_ms": float(np.median(t_raw)),
+                "ratio": float(np.median(t_ours) / np.median(t_raw)), "same_hlo_ops": not diff,
+                "hlo_op_differences": "; ".join(diff)}
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.wrapper", description=__doc__.splitlines()[0])
+  p.add_argument("--backends", nargs="+", choices=list(RAW), default=list(RAW))
+  p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384])
+  p.add_argument("--shape", type=int, nargs=3, default=[2, 16, 128], metavar=("B", "N", "H"))
+  p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds of --calls calls each")
+  p.add_argument("--calls", type=int, default=20)
+  p.add_argument("--out", default="benchmarks/results/h200")
+  a = p.parse_args(argv)
+  B, N, H = a.shape
+  rows = [measure(b, T, c, ps, N, H, B, a.rounds, a.calls) for b in a.backends for T in a.seqs
+          for c in (False, True) for ps in ("fwd", "fwd+bwd")]
+  env = common.environment()
+  os.makedirs(a.out, exist_ok=True)
+  report.write_json(os.path.join(a.out, "wrapper.json"), env, rows)
+  cols = ["backend", "T", "causal", "pass", "ours_ms", "raw_ms", "ratio", "same_hlo_ops", "hlo_op_differences"]
+  md = f"# attnlayers.attention vs the kernel called directly\n\n{env}\n\n" + report.markdown_table(rows, cols) + "\n"
+  with open(os.path.join(a.out, "wrapper.md"), "w") as f:
+    f.write(md)
+  print(md)
+
+
+if __name__ == "__main__":
+  main()
