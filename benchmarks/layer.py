@@ -4,7 +4,8 @@ Sections (`--sections`): default (B4 T128 N8 H64: naive f32, xla f32/bf16, cudnn
 with max |difference| to naive f32), seq (T = 64 ... 16384), batch (B = 1 ... 16 at T=256
 and T=4096), heads (N=32 with K = 32, 8, 1 and KV-cache bytes per token), headdim (H = 32,
 64, 128, 256: who accepts what, and why not). Each for the forward and forward+backward
-pass; `default` also for the whole layer (projections + core).
+pass, and (`--levels`) for the bare core (attnlayers.attention) and the whole nnx layer
+(projections + core).
 
 Every row: median/p10/p90 ms of >= 20 timed calls after compilation and warm-up (one
 helper, benchmarks.common), TFLOP/s (4 B N T S H forward, halved for causal, x3.5 for
@@ -64,32 +65,34 @@ class Case:
     return total
 
 
-def plan(quick: bool, sections: list[str], seqs: list[int] | None = None, batches: list[int] | None = None) -> list[Case]:
+def plan(quick: bool, sections: list[str], seqs: list[int] | None = None, batches: list[int] | None = None,
+         levels: tuple[str, ...] = ("core", "layer")) -> list[Case]:
   passes = ("fwd", "fwd+bwd")
-  cases = []
-  if "default" in sections:
-    for level in ("core", "layer"):
-      for backend, dtype in [("naive", "float32"), ("xla", "float32"), ("xla", "bfloat16"), ("cudnn", "bfloat16"),
-                             ("te", "bfloat16"), ("te-fp8", "bfloat16")]:
-        cases += [Case("default", backend, dtype, 4, 128, 8, 8, 64, False, p, level) for p in passes]
   seqs = seqs or ([64, 128, 256] if quick else [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
   batches = batches or ([1, 2] if quick else [1, 2, 4, 8, 16])
   big = dict(N=4, K=4, H=32) if quick else dict(N=16, K=16, H=128)
-  if "seq" in sections:
-    backends = BACKEND_DTYPES + [(raw, "bfloat16") for raw in RAW]
-    cases += [Case("seq", b, d, 2, t, causal=c, pass_=p, **big) for t in seqs for c in (False, True)
-              for b, d in backends for p in passes]
-  if "batch" in sections:
-    for t in ([64, 128] if quick else [256, 4096]):
-      cases += [Case(f"batch-T{t}", b, d, bs, t, causal=c, pass_=p, **big) for bs in batches
-                for c in (False, True) for b, d in BACKEND_DTYPES for p in passes]
-  if "heads" in sections:
-    N, T, H = (8, 128, 32) if quick else (32, 4096, 128)
-    cases += [Case("heads", b, d, 2, T, N, k, H, True, p) for k in (N, N // 4, 1) for b, d in BACKEND_DTYPES
-              for p in passes]
-  if "headdim" in sections:
-    T = 128 if quick else 1024
-    cases += [Case("headdim", b, d, 2, T, 8, 8, h, True, "fwd") for h in (32, 64, 128, 256) for b, d in BACKEND_DTYPES]
+  cases = []
+  for level in levels:
+    if "default" in sections:
+      for backend, dtype in [("naive", "float32"), ("xla", "float32"), ("xla", "bfloat16"), ("cudnn", "bfloat16"),
+                             ("te", "bfloat16"), ("te-fp8", "bfloat16")]:
+        cases += [Case("default", backend, dtype, 4, 128, 8, 8, 64, False, p, level) for p in passes]
+    if "seq" in sections:
+      backends = BACKEND_DTYPES + ([(raw, "bfloat16") for raw in RAW] if level == "core" else [])
+      cases += [Case("seq", b, d, 2, t, causal=c, pass_=p, level=level, **big) for t in seqs for c in (False, True)
+                for b, d in backends for p in passes]
+    if "batch" in sections:
+      for t in ([64, 128] if quick else [256, 4096]):
+        cases += [Case(f"batch-T{t}", b, d, bs, t, causal=c, pass_=p, level=level, **big) for bs in batches
+                  for c in (False, True) for b, d in BACKEND_DTYPES for p in passes]
+    if "heads" in sections:
+      N, T, H = (8, 128, 32) if quick else (32, 4096, 128)
+      cases += [Case("heads", b, d, 2, T, N, k, H, True, p, level) for k in (N, N // 4, 1) for b, d in BACKEND_DTYPES
+                for p in passes]
+    if "headdim" in sections:
+      T = 128 if quick else 1024
+      cases += [Case("headdim", b, d, 2, T, 8, 8, h, True, "fwd", level) for h in (32, 64, 128, 256)
+                for b, d in BACKEND_DTYPES]
   return cases
 
 
@@ -180,11 +183,11 @@ def write(out: str, env: dict, rows: list[dict]) -> list[str]:
     x = {"seq": "T", "heads": "K"}.get(section, "B" if section.startswith("batch") else None)
     if x is None:
       continue
-    sel = [r for r in rows if r["section"] == section and r["causal"] and r["pass"] == "fwd+bwd"]
-    if sel:
-      for y in ("median_ms", "tflops"):
-        name = f"layer_{section}_{y}.png"
-        report.line_plot(os.path.join(out, name), sel, x=x, y=y, title=f"{section}, causal, fwd+bwd: {y}")
+    for level in ("core", "layer"):
+      sel = [r for r in rows if r["section"] == section and r["level"] == level and r["causal"] and r["pass"] == "fwd+bwd"]
+      for y in ("median_ms", "tflops") if sel else ():
+        name = f"layer_{section}_{y}.png" if level == "core" else f"layer_{section}_{level}_{y}.png"
+        report.line_plot(os.path.join(out, name), sel, x=x, y=y, title=f"{section} ({level}), causal, fwd+bwd: {y}")
         plots.append(name)
   md = [f"# Attention layer benchmarks\n\n{env}\n"]
   for section in dict.fromkeys(r["section"] for r in rows):
@@ -211,7 +214,8 @@ def wrapper_overhead(rows: list[dict]) -> list[dict]:
   key = lambda r: (r["T"], r["causal"], r["pass"])
   out = []
   for raw, (backend, _) in RAW.items():
-    ours = {key(r): r for r in rows if r["section"] == "seq" and r["backend"] == backend and r["status"] == "ok"}
+    ours = {key(r): r for r in rows if r["section"] == "seq" and r["level"] == "core" and r["backend"] == backend
+            and r["status"] == "ok"}
     for r in rows:
       if r["section"] == "seq" and r["backend"] == raw and r["status"] == "ok" and key(r) in ours:
         o = ours[key(r)]
@@ -227,6 +231,8 @@ def main(argv=None) -> None:
                  choices=["default", "seq", "batch", "heads", "headdim"])
   p.add_argument("--seqs", type=int, nargs="+", help="T values of the seq section (default 64 ... 16384)")
   p.add_argument("--batches", type=int, nargs="+", help="B values of the batch sections (default 1 ... 16)")
+  p.add_argument("--levels", nargs="+", choices=["core", "layer"], default=["core", "layer"],
+                 help="core: attnlayers.attention; layer: the nnx layer, projections + core")
   p.add_argument("--calls", type=int, help="timed calls per row (default 20; 3 with --quick)")
   p.add_argument("--out", default="benchmarks/results")
   p.add_argument("--merge", nargs="+", metavar="LAYER_JSON",
@@ -245,7 +251,7 @@ def main(argv=None) -> None:
   calls, warmup = (a.calls or (3 if a.quick else 20)), (1 if a.quick else 3)
   matmul = common.matmul_tflops(n=1024 if a.quick else 8192, calls=3 if a.quick else 20)
   env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": 1024 if a.quick else 8192}
-  cases = plan(a.quick, a.sections, a.seqs, a.batches)
+  cases = plan(a.quick, a.sections, a.seqs, a.batches, tuple(a.levels))
   rows, reference = [], {}
   for c in tqdm(cases, unit="row"):
     ref = None

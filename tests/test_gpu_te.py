@@ -125,3 +125,16 @@ def test_te_core_compiles_to_the_raw_kernels_program(causal):
   from benchmarks.wrapper import hlo_ops, programs
   ours, raw, args = programs("te", causal, "fwd+bwd", (2, 1024, 4, 128))
   assert hlo_ops(ours, *args) == hlo_ops(raw, *args)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_te_from_linen_equals_te_from_nnx(kv_heads):
+  import attnlayers.linen as al
+  x = jax.random.normal(jax.random.key(1), (2, 128, 256)).astype(jnp.bfloat16)
+  mask = jax.random.bernoulli(jax.random.key(2), 0.7, (2, 1, 128, 128)).at[..., 0].set(True)
+  layer = MultiHeadAttention(4, 256, num_kv_heads=kv_heads, decode=False, backend="te", dtype=jnp.bfloat16,
+                             rngs=nnx.Rngs(0))
+  params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+  linen_layer = al.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=kv_heads, backend="te", dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(linen_layer.apply({"params": params}, x, mask=mask, is_causal=True),
+                                layer(x, mask=mask, is_causal=True))

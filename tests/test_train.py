@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -173,3 +175,33 @@ def test_embedded_corpus_is_split_by_file():
   ds = data.load(None, 128)
   assert len(ds.train) > 50 and len(ds.val) > 5 and ds.vocab_size == 256
   assert not any(v is t for v in ds.val for t in ds.train)
+
+
+def _fp8_state():
+  """The FP8 scaling state of a te-fp8 layer (built here without running it), made distinct."""
+  from flax import nnx
+
+  from attnlayers.fp8 import FP8Meta
+  from attnlayers.nnx import MultiHeadAttention
+  layer = MultiHeadAttention(2, 16, backend="te-fp8", decode=False, rngs=nnx.Rngs(0))
+  state = nnx.state(layer, FP8Meta)
+  return jax.tree.map(lambda x: x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape), state)
+
+
+def test_checkpoint_keeps_fp8_state_and_survives_backend_switches(tmp_path):
+  from train.checkpoint import Checkpoints
+  params = {"w": jnp.ones((3,))}
+  fp8 = _fp8_state()
+  ckpts = Checkpoints(str(tmp_path / "a"))
+  ckpts.save(1, {"params": params, "fp8": fp8}, {"seed": 0})
+  restored, _ = ckpts.restore(1, {"params": params, "fp8": jax.tree.map(jnp.zeros_like, fp8)}, {"seed": 0})
+  jax.tree.map(np.testing.assert_array_equal, restored["fp8"], fp8)  # the FP8 state comes back exactly
+  switched, _ = ckpts.restore(1, {"params": params, "fp8": {}}, {"seed": 0})  # te-fp8 -> a bf16 backend
+  assert switched["fp8"] == {} and np.array_equal(switched["params"]["w"], params["w"])
+  ckpts.close()
+  plain = Checkpoints(str(tmp_path / "b"))
+  plain.save(1, {"params": params, "fp8": {}}, {"seed": 0})  # a bf16 run: no FP8 item is written
+  fresh = jax.tree.map(jnp.zeros_like, fp8)
+  restored, _ = plain.restore(1, {"params": params, "fp8": fresh}, {"seed": 0})  # bf16 -> te-fp8
+  jax.tree.map(np.testing.assert_array_equal, restored["fp8"], fresh)  # starts afresh
+  plain.close()
