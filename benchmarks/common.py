@@ -55,11 +55,19 @@ def matmul_tflops(n: int = 8192, dtype=jnp.bfloat16, calls: int = 20, chain: int
 
 
 def environment() -> dict:
+  import importlib.metadata
+
   import flax
+
+  from attnlayers import device as device_lib
   dev = jax.devices()[0]
+  try:
+    te = importlib.metadata.version("transformer_engine")
+  except importlib.metadata.PackageNotFoundError:
+    te = None
   return {"jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version(),
           "device": getattr(dev, "device_kind", dev.platform), "devices": jax.device_count(),
-          "platform": dev.platform}
+          "platform": dev.platform, "cudnn": device_lib.current().cudnn_version, "transformer_engine": te}
 
 
 def forward_backward(f, args: tuple):

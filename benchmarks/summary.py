@@ -1,0 +1,124 @@
+"""`python -m benchmarks.summary DIR`: writes benchmarks/RESULTS.md from the JSON files in DIR.
+
+It reads what benchmarks.layer, .train, .fp8, .fp8_train and .wrapper wrote there (no
+timing), and lays out the headline tables next to the plots, with the versions and device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from benchmarks import report
+
+
+def _load(directory: str, name: str) -> dict:
+  with open(os.path.join(directory, name)) as f:
+    return json.load(f)
+
+
+def render(directory: str, rel: str, note: str | None = None) -> str:
+  """The page; `rel` is `directory` as seen from the page's folder (for links and images)."""
+  layer, fp8 = _load(directory, "layer.json"), _load(directory, "fp8.json")
+  wrapper, train = _load(directory, "wrapper.json"), _load(directory, "train.json")
+  env = layer["environment"]
+  rows = layer["rows"]
+  at_16k = lambda level: [r for r in rows if r["section"] == "seq" and r["level"] == level and r["causal"]
+                          and r["T"] == 16384]
+  cols = ["backend", "pass", "status", "median_ms", "tflops", "vs_matmul", "reason"]
+  heads = [r for r in rows if r["section"] == "heads" and r["level"] == "core" and r["pass"] == "fwd+bwd"]
+  speedups = "\n".join(f"| {k} | {v:.4g}x |" if v else f"| {k} | n/a |" for k, v in fp8["environment"]["speedups"].items())
+  oom = "\n".join(f"- {r['backend']} T={r['seq_len']}: {r['reason']}" for r in train["rows"] if r["status"] != "ok")
+  img = lambda name: f"![{name}]({rel}/{name})"
+  note = f"\n{note}\n" if note else ""
+  return f"""# Benchmark results: one {env['device']}
+
+Made with jax {env['jax']}, flax {env['flax']}, Python {env['python']} on {env['devices']} x {env['device']}
+(cuDNN {env.get("cudnn", "not recorded")}, TransformerEngine {env.get("transformer_engine", "not recorded")}). Regenerate with
+`bash benchmarks/h200.sh`; this page with `python -m benchmarks.summary {directory}`.
+Every time is the median of 20 timed calls after compilation and warm-up; `vs_matmul` is
+the fraction of an 8192³ bf16 matmul's rate measured in the same process (each JSON file
+records its own). Full tables: [layer.md]({rel}/layer.md), [train.md]({rel}/train.md),
+[fp8.md]({rel}/fp8.md), [fp8_train.md]({rel}/fp8_train.md), [wrapper.md]({rel}/wrapper.md);
+raw data in the JSON and CSV files beside them.
+{note}
+## Per call: sequence length (B2 N16 H128; causal, forward+backward in the plots)
+
+Core (`attnlayers.attention`):
+
+{img("layer_seq_median_ms.png")} {img("layer_seq_tflops.png")}
+
+Whole layer (nnx, projections + core, d_model 2048):
+
+{img("layer_seq_layer_median_ms.png")} {img("layer_seq_layer_tflops.png")}
+
+Core at T=16384, causal:
+
+{report.markdown_table(at_16k("core"), cols)}
+
+Layer at T=16384, causal:
+
+{report.markdown_table(at_16k("layer"), cols)}
+
+## Per call: batch size (N16 H128, causal, forward+backward)
+
+{img("layer_batch-T256_median_ms.png")} {img("layer_batch-T4096_median_ms.png")}
+
+## MHA / GQA / MQA (B2 T4096 N32 H128, causal, forward+backward)
+
+{img("layer_heads_median_ms.png")}
+
+{report.markdown_table(heads, ["backend", "N", "K", "T", "H", "median_ms", "kv_cache_bytes_per_token"])}
+
+## Default shape (B4 T128 N8 H64): every backend, core and layer
+
+{img("layer_default.png")}
+
+The `default` table in [layer.md]({rel}/layer.md) gives each backend's max |difference| to naive float32.
+
+## attnlayers.attention vs the kernel called directly
+
+`same_hlo_ops`: our compiled program has exactly the raw kernel's operations (counted by
+opcode, fused bodies included), so the wrapper adds no transpose, cast or copy. `ratio` is
+median(ours) / median(raw) over alternating rounds of 20 calls.
+
+{report.markdown_table(wrapper["rows"], ["backend", "T", "causal", "pass", "ours_ms", "raw_ms", "ratio", "same_hlo_ops"])}
+
+## End to end: gpt2-small training (`python -m benchmarks.train`)
+
+{img("train_T1024_tokens_per_s.png")} {img("train_T8192_tokens_per_s.png")}
+
+{report.markdown_table(train["rows"], ["backend", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s", "mfu",
+                                        "vs_matmul", "time_to_first_step_s", "peak_memory_gib", "final_loss"])}
+
+{oom}
+
+## FP8 (`python -m benchmarks.fp8`; core {fp8["environment"]["core_shape"]}, layer {fp8["environment"]["layer_shape"]}, causal)
+
+{report.markdown_table(fp8["rows"], ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul"])}
+
+| speed-up (same run, ratio of median times) | |
+|---|---|
+{speedups}
+
+Training loss, te (bf16) vs te-fp8 ([fp8_train.md]({rel}/fp8_train.md)):
+
+{img("fp8_train.png")}
+"""
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.summary", description=__doc__.splitlines()[0])
+  p.add_argument("directory", nargs="?", default="benchmarks/results/h200")
+  p.add_argument("--out", default="benchmarks/RESULTS.md")
+  p.add_argument("--note", help="a line to add under the header, e.g. versions the JSON files do not record")
+  a = p.parse_args(argv)
+  rel = os.path.relpath(a.directory, os.path.dirname(os.path.abspath(a.out)))
+  with open(a.out, "w") as f:
+    f.write(render(a.directory, rel, a.note))
+  print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+  main()
