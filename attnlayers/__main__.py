@@ -55,6 +55,8 @@ def main(argv=None) -> None:
     out = attnlayers.attention(q, k, v, backend=name, is_causal=a.causal).astype(jnp.float32)
     ran = f" (ran {plan.chosen})" if name == backends.AUTO else ""
     print(f"{name:>7}  ok{ran}  max|out - naive| = {float(jnp.abs(out - ref).max()):.3g}")
+    for note in plan.notes:
+      print(f"{'':>9}{note}")
     if a.show_kernels:
       print(f"{'':>9}kernels: {', '.join(fused_kernels(name, q, k, v, a.causal)) or 'none (plain XLA ops)'}")
 
