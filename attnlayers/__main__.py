@@ -1,7 +1,8 @@
-"""`python -m attnlayers`: which backends run on this machine, and how far each is from naive.
+"""`python -m attnlayers`: which backends run on this machine, and how far each is from float64.
 
 Runs one small causal GQA call (or the shape given by the flags) on every backend, printing
-a row per backend: ok with max |difference| to naive, or every reason it cannot run.
+a row per backend: ok with max |difference| to a float64 numpy reference (`reference` below,
+independent of every backend, naive included), or every reason it cannot run.
 """
 
 from __future__ import annotations
@@ -11,12 +12,39 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import attnlayers
 from attnlayers import backends
 
 
 FUSED = re.compile(r'custom_call_target="([^"]*(?:fmha|fused_attn|FusedAttn)[^"]*)"')
+
+
+def inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype: str):
+  """Standard normal q (B, T, N, H) and k, v (B, S, K, H) with S = T, drawn from key 0."""
+  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(kq, (batch, seq_len, heads, head_dim)).astype(dtype)  # (B, T, N, H)
+  k = jax.random.normal(kk, (batch, seq_len, kv_heads, head_dim)).astype(dtype)  # (B, S, K, H)
+  v = jax.random.normal(kv, (batch, seq_len, kv_heads, head_dim)).astype(dtype)
+  return q, k, v
+
+
+def reference(q, k, v, causal: bool) -> np.ndarray:
+  """Attention written out in float64 numpy on q (B, T, N, H), k/v (B, S, K, H); scale 1/sqrt(H).
+
+  GQA: query head n reads kv head n // (N // K). Causal: top-left aligned, query i sees keys j <= i.
+  """
+  q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  k, v = (np.repeat(x, N // K, axis=2) for x in (k, v))  # (B, S, N, H)
+  scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)  # (B, N, T, S)
+  if causal:
+    scores = np.where(np.tril(np.ones((T, S), dtype=bool)), scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bnts,bsnh->btnh", p, v)  # (B, T, N, H)
 
 
 def fused_kernels(backend: str, q, k, v, causal: bool) -> list[str]:
@@ -39,12 +67,10 @@ def main(argv=None) -> None:
   p.add_argument("--show-kernels", action="store_true",
                  help="list the fused-attention custom calls in each backend's compiled forward and backward HLO")
   a = p.parse_args(argv)
-  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
-  q = jax.random.normal(kq, (a.batch, a.seq_len, a.heads, a.head_dim)).astype(a.dtype)  # (B, T, N, H)
-  k = jax.random.normal(kk, (a.batch, a.seq_len, a.kv_heads, a.head_dim)).astype(a.dtype)  # (B, S, K, H)
-  v = jax.random.normal(kv, (a.batch, a.seq_len, a.kv_heads, a.head_dim)).astype(a.dtype)
-  print(f"jax {jax.__version__} on {jax.devices()[0]}; q {q.shape} k/v {k.shape} {a.dtype} causal={a.causal}")
-  ref = attnlayers.attention(q, k, v, backend="naive", is_causal=a.causal).astype(jnp.float32)
+  q, k, v = inputs(a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim, a.dtype)
+  print(f"jax {jax.__version__} on {jax.devices()[0]}; q {q.shape} k/v {k.shape} {a.dtype} causal={a.causal}; "
+        "reference: float64 numpy (attnlayers.__main__.reference)")
+  ref = reference(q, k, v, a.causal)
   for name in backends.NAMES:
     plan = attnlayers.explain(name, q, k, v, is_causal=a.causal)
     if not plan.ok:
@@ -52,9 +78,9 @@ def main(argv=None) -> None:
       for reason in plan.unmet[name]:
         print(f"{'':>9}- {reason}")
       continue
-    out = attnlayers.attention(q, k, v, backend=name, is_causal=a.causal).astype(jnp.float32)
+    out = np.asarray(attnlayers.attention(q, k, v, backend=name, is_causal=a.causal).astype(jnp.float32), np.float64)
     ran = f" (ran {plan.chosen})" if name == backends.AUTO else ""
-    print(f"{name:>7}  ok{ran}  max|out - naive| = {float(jnp.abs(out - ref).max()):.3g}")
+    print(f"{name:>7}  ok{ran}  max|out - float64| = {float(np.abs(out - ref).max()):.3g}")
     for note in plan.notes:
       print(f"{'':>9}{note}")
     if a.show_kernels:

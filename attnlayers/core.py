@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
-import math
-
 from jaxtyping import Array, Bool, Float
 
 from attnlayers import backends, spec
 from attnlayers.plan import BackendUnavailableError, Plan, plan
 
 
-def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=None,
-            dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = True,
-            precision=None, return_weights: bool = False) -> Plan:
+def _options(q, *, is_causal, mask, bias, scale, dropout_rate, dropout_rng, broadcast_dropout, precision,
+             return_weights, fp8_core) -> spec.Options:
+  dropout = spec.Dropout(dropout_rate, dropout_rng, broadcast_dropout) if dropout_rate else None
+  head_dim = q.shape[-1] if getattr(q, "ndim", 0) == 4 else 1  # describe() reports a wrong rank
+  return spec.options(scale=scale, is_causal=is_causal, mask=mask, bias=bias, dropout=dropout, precision=precision,
+                      return_weights=return_weights, fp8_core=fp8_core, head_dim=head_dim)
+
+
+def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=None, scale: float | None = None,
+            dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = True, precision=None,
+            return_weights: bool = False, fp8_core: str = "fp8") -> Plan:
   """Which backend would run this call (for `auto`: which it picks) and every unmet requirement.
 
-  Takes exactly the arguments of `attention()` and validates them the same way; runs nothing.
-  `str(plan)` is a readable report; `plan.chosen`, `plan.unmet`, `plan.runnable` are the facts.
+  Takes exactly the arguments of `attention()` (q, k, v may be jax.ShapeDtypeStruct) and
+  validates them the same way; runs nothing. `str(plan)` is a readable report; `plan.chosen`,
+  `plan.unmet`, `plan.runnable`, `plan.notes` are the facts.
   """
-  dropout = spec.Dropout(dropout_rate, dropout_rng, broadcast_dropout) if dropout_rate else None
-  call = spec.describe(q, k, v, is_causal=is_causal, mask=mask, bias=bias, dropout=dropout,
-                       return_weights=return_weights, precision=precision)
-  return plan(backend, call)
+  spec.check_array_args(q, k, v)
+  opts = _options(q, is_causal=is_causal, mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate,
+                  dropout_rng=dropout_rng if dropout_rate else None, broadcast_dropout=broadcast_dropout,
+                  precision=precision, return_weights=return_weights, fp8_core=fp8_core)
+  return plan(backend, spec.describe(q, k, v, opts))
 
 
 def attention(
@@ -39,6 +47,7 @@ def attention(
     broadcast_dropout: bool = True,
     precision=None,
     return_weights: bool = False,
+    fp8_core: str = "fp8",
 ):
   """Scaled dot-product attention on the chosen kernel.
 
@@ -48,30 +57,28 @@ def attention(
     backend: one of `attnlayers.BACKENDS` ("auto" picks the first of cudnn, xla, naive
       that can run the call; any other name runs that kernel or raises
       BackendUnavailableError listing every unmet requirement; never a silent fallback).
-    is_causal: query i attends keys j <= i (top-left aligned when T != S).
+    is_causal: query i attends keys j <= i (top-left aligned when T != S). A bool.
     mask: boolean, broadcastable to (B, N, T, S); True = may attend. Combined with is_causal.
-    bias: additive float bias on the scores, broadcastable to (B, N, T, S).
-    scale: multiplies q k^T; default 1/sqrt(H).
+    bias: additive float bias on the scaled scores, broadcastable to (B, N, T, S).
+    scale: multiplies q k^T; a finite number > 0, static under jit; default 1/sqrt(H).
     dropout_rate, dropout_rng, broadcast_dropout: dropout on the attention weights,
       drawn as Flax draws it (naive only).
-    precision: jax.lax.Precision of naive's einsums (naive only; fused kernels accumulate
-      in float32 and reject it).
+    precision: jax.lax.Precision of the score and value matmuls. naive applies it; cudnn and
+      te take it for float16/bfloat16 inputs, whose products they accumulate exactly in
+      float32 at any precision; otherwise a backend that cannot apply it refuses the call.
     return_weights: also return the (B, N, T, S) float weights (naive only).
+    fp8_core: te-fp8 only: "fp8" (the default: cuDNN FP8 attention, or refuse the call with
+      the reasons), "fp8-or-bf16" (FP8 where the call qualifies, else TransformerEngine's
+      bf16 kernel; explain() says which) or "bf16".
 
   Returns:
     (B, T, N, H) in q's dtype, or (out, weights) when return_weights.
   """
-  chosen = explain(backend, q, k, v, is_causal=is_causal, mask=mask, bias=bias, dropout_rate=dropout_rate,
-                   dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, precision=precision,
-                   return_weights=return_weights)
+  spec.check_array_args(q, k, v)
+  opts = _options(q, is_causal=is_causal, mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate,
+                  dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, precision=precision,
+                  return_weights=return_weights, fp8_core=fp8_core)
+  chosen = plan(backend, spec.describe(q, k, v, opts))
   if not chosen.ok:
-    raise BackendUnavailableError(chosen)
-  if dropout_rate and dropout_rng is None:
-    raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng (a jax PRNG key)")
-  scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-  kernel = backends.REGISTRY[chosen.chosen].run
-  options = dict(scale=scale, is_causal=is_causal, mask=mask, bias=bias)
-  if chosen.chosen == "naive":
-    dropout = spec.Dropout(dropout_rate, dropout_rng, broadcast_dropout) if dropout_rate else None
-    options.update(dropout=dropout, precision=precision, return_weights=return_weights)
-  return kernel(q, k, v, **options)
+    raise BackendUnavailableError.from_plan(chosen)
+  return backends.REGISTRY[chosen.chosen].run(q, k, v, opts)

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from attnlayers import backends
@@ -35,16 +37,75 @@ def _mask_4d(x, batch: tuple[int, ...]):
 
 
 def _sow(module, weights) -> None:
-  if isinstance(module, nnx.Module):
-    module.sow(nnx.Intermediate, "attention_weights", weights)
-  else:  # linen
+  """Sows the weights where Flax's own attention does, without Module.sow()'s deprecation warning.
+
+  Inside nnx.capture() (Flax's supported capture API) and for linen, the module's own sow. Elsewhere
+  it stores what nnx's Module.sow() stores outside capture in flax 0.12.8-0.12.10 (a tuple in an
+  nnx.Intermediate attribute that grows by one per call), so `nnx.state(layer, nnx.Intermediate)`
+  reads as it does for flax.nnx.MultiHeadAttention(sow_weights=True).
+  """
+  if not isinstance(module, nnx.Module):  # linen
     module.sow("intermediates", "attention_weights", weights)
+  elif hasattr(module, "__captures__"):  # inside nnx.capture()
+    module.sow(nnx.Intermediate, "attention_weights", weights)
+  else:
+    sown = getattr(module, "attention_weights", None)
+    if sown is None:
+      module.attention_weights = nnx.Intermediate((weights,))
+    else:
+      sown.set_value((*sown.get_value(), weights))
+
+
+def _flax_mask(mask):
+  """Flax's mask (nonzero = may attend) as bool, and for a traced float mask a flag that it held only 0 and 1.
+
+  A float mask must hold only 0 (masked) and 1 (attend): an additive mask (0 / -inf, as PyTorch
+  takes) read as nonzero-attends would be inverted. A concrete one is checked now; a traced one
+  cannot raise, so where it holds other values the call's output is NaN (the flag returned).
+  """
+  if not jnp.issubdtype(mask.dtype, jnp.inexact):
+    return mask.astype(jnp.bool_), None
+  binary = jnp.all((mask == 0) | (mask == 1))
+  if isinstance(mask, jax.core.Tracer):
+    return mask != 0, binary
+  if not bool(binary):
+    other = sorted({float(x) for x in np.unique(np.asarray(mask)) if x not in (0, 1)})[:3]
+    raise ValueError(f"a {mask.dtype} mask must hold only 0 (masked) and 1 (may attend), Flax's convention; it holds "
+                     f"{', '.join(map(str, other))}. An additive mask (0 where allowed, -inf where not, as PyTorch takes) "
+                     "goes in bias= instead; or pass a boolean mask (True = may attend).")
+  return mask != 0, None
 
 
 @dataclasses.dataclass(frozen=True)
 class BackendAttention:
-  """attention_fn for Flax layers; `backend` is any name in attnlayers.BACKENDS."""
+  """attention_fn for Flax layers; `backend` is any name in attnlayers.BACKENDS.
+
+  Flax's `precision` reaches the attention core too (as in Flax's own attention), so a
+  backend that cannot apply it refuses the call and `auto` picks one that can.
+
+  Softmax: every backend computes it in float32 (complex64 for complex inputs), whatever
+  `force_fp32_for_softmax` says. Where Flax's own attention, given False, runs it in the
+  compute dtype (bfloat16, float16), ours is at least as precise; the fused kernels (cudnn,
+  te, te-fp8, xla) run that float32 softmax for both values of the flag.
+
+  What the flag still decides, as in Flax, is the dtype of the weights after the softmax on
+  the path that materialises them (sow_weights, or dropout; only 'naive' runs it):
+    True:  the weights stay float32: sown as float32 and multiplied into v in float32. For
+           fp16/bf16 inputs that path runs on float32 copies of q/k/v, which is exact (the
+           upcast loses nothing, and naive accumulates scores in float32 for every dtype),
+           so only the weights and their product with v change dtype.
+    False: the weights are rounded to the compute dtype, then sown and multiplied into v.
+  Off that path a kernel rounds its float32 probabilities to the compute dtype before
+  multiplying them into v even when the flag is True (Flax keeps float32 there), so its
+  output may differ from Flax's by that one rounding.
+
+  Complex inputs run on 'naive' only (`auto` picks it): jax.nn.softmax of the complex scores,
+  as Flax computes it. Flax with force_fp32_for_softmax=True casts complex scores to float32,
+  dropping their imaginary part (jax warns that this cast will become an error); here that
+  combination raises a ValueError.
+  """
   backend: str = backends.AUTO
+  fp8_core: str = "fp8"  # te-fp8 only: how its attention core runs (attnlayers.spec.FP8_CORE_MODES)
 
   def __post_init__(self):
     backends.check_name(self.backend)
@@ -52,23 +113,30 @@ class BackendAttention:
   def __call__(self, query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
                dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False, dtype=None,
                precision=None, module=None, is_causal: bool = False, force_fp32_for_softmax: bool = False):
-    # Softmax is float32 in every backend, so force_fp32_for_softmax always holds.
-    dtype = dtype or jnp.result_type(query, key, value)
+    dtype = jnp.dtype(dtype or jnp.result_type(query, key, value))
+    dropping = dropout_rate > 0.0 and not deterministic
+    if force_fp32_for_softmax and dtype.kind == "c":
+      raise ValueError(f"force_fp32_for_softmax=True with {dtype.name} inputs: Flax casts the complex scores to "
+                       "float32 there, dropping their imaginary part; pass force_fp32_for_softmax=False, and the "
+                       "softmax runs on the complex scores in complex64 (float32 parts)")
+    if force_fp32_for_softmax and (module is not None or dropping) and dtype.itemsize < 4:
+      dtype = jnp.dtype(jnp.float32)  # Flax's float32 weights, computed exactly: see the class docstring
     query, key, value = (x.astype(dtype) for x in (query, key, value))
     batch = query.shape[:-3]  # (batch...)
     q, k, v = (_flatten_batch(x, batch) for x in (query, key, value))  # (B, T, N, H), (B, S, K, H)
+    binary = None  # for a traced float mask: whether it held only 0 and 1
     if mask is not None:
-      mask = _mask_4d(mask, batch).astype(jnp.bool_)  # Flax masks: nonzero = may attend
+      mask, binary = _flax_mask(_mask_4d(mask, batch))
     if bias is not None:
       bias = _mask_4d(bias, batch)
-    dropping = dropout_rate > 0.0 and not deterministic
-    wants_weights = module is not None or dropping
     result = attention(
         q, k, v, backend=self.backend, is_causal=is_causal, mask=mask, bias=bias,
         dropout_rate=dropout_rate if dropping else 0.0, dropout_rng=dropout_rng if dropping else None,
-        broadcast_dropout=broadcast_dropout, precision=precision if wants_weights else None,
-        return_weights=module is not None)
+        broadcast_dropout=broadcast_dropout, precision=precision, return_weights=module is not None,
+        fp8_core=self.fp8_core)
     out, weights = result if module is not None else (result, None)
+    if binary is not None:
+      out = jnp.where(binary, out, jnp.nan)  # a traced float mask with values other than 0/1: see _flax_mask
     if module is not None:
       _sow(module, weights.reshape(batch + weights.shape[1:]))  # (batch..., N, T, S)
     return out.reshape(query.shape[:-1] + value.shape[-1:])  # (batch..., T, N, H)

@@ -23,22 +23,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnlayers import device as device_lib
+from attnlayers import spec
+from attnlayers.backends import te_fp8
+from attnlayers.plan import BackendUnavailableError
 
 OPERANDS = ("x", "kernel", "grad")  # what TE quantises in one dense: input, weight, output gradient
 
 
-class FP8Unavailable(RuntimeError):
-  """FP8 projections cannot run on this machine; the message names every reason."""
+class FP8Unavailable(BackendUnavailableError):
+  """te-fp8's FP8 projections cannot run on this device; `reasons` names every one (te_fp8.requirements)."""
 
-
-def unmet() -> list[str]:
-  """Why TE FP8 GEMMs cannot run on jax's default device ([] = they can)."""
-  dev, reasons = device_lib.current(), []
-  if not dev.is_cuda or dev.compute_capability < (8, 9):
-    reasons.append(f"FP8 GEMMs need an NVIDIA GPU with compute capability >= 8.9; have {dev.describe()}")
-  if not device_lib.has_module("transformer_engine"):
-    reasons.append("TransformerEngine is not installed: pip install 'attnlayers[te]'")
-  return reasons
+  def __init__(self, reasons: list[str]):
+    super().__init__(te_fp8.NAME, tuple(reasons), "te-fp8 projections cannot run here:\n  - " + "\n  - ".join(reasons))
 
 
 class FP8Meta(nnx.Variable):
@@ -49,6 +45,7 @@ class FP8Meta(nnx.Variable):
 class FP8Recipe:
   """Which TE recipe scales the FP8 GEMMs; the defaults are TE's DelayedScaling as the codelab sets it."""
   kind: str = "delayed"  # "delayed" (DelayedScaling: scales from an amax history) or "current" (Float8CurrentScaling)
+  core: str = "fp8"  # the attention core: "fp8" (or refuse), "fp8-or-bf16", "bf16"; see attnlayers.spec.FP8_CORE_MODES
   margin: int = 0  # delayed: scale = 2^-margin * fp8_max / amax
   amax_history_len: int = 1024  # delayed: steps of amax kept
   amax_compute_algo: str = "max"  # delayed: "max" of the history or "most_recent"
@@ -56,6 +53,8 @@ class FP8Recipe:
   def __post_init__(self):
     if self.kind not in ("delayed", "current"):
       raise ValueError(f"FP8Recipe.kind must be 'delayed' or 'current'; got {self.kind!r}")
+    if self.core not in spec.FP8_CORE_MODES:
+      raise ValueError(f"FP8Recipe.core must be one of {', '.join(map(repr, spec.FP8_CORE_MODES))}; got {self.core!r}")
     if self.amax_compute_algo not in ("max", "most_recent"):
       raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent' (what TE/JAX supports); got {self.amax_compute_algo!r}")
 
@@ -96,8 +95,8 @@ class TEFp8DotGeneral(nnx.Module):
     if tuple(lhs_contract) != tuple(range(lhs.ndim - len(lhs_contract), lhs.ndim)) or \
         tuple(rhs_contract) != tuple(range(len(rhs_contract))):
       raise ValueError(f"FP8 projections contract the input's last dims with the kernel's first; got {dimension_numbers}")
-    if reasons := unmet():
-      raise FP8Unavailable("te-fp8 projections cannot run here:\n  - " + "\n  - ".join(reasons))
+    if reasons := te_fp8.requirements(device_lib.of(lhs, rhs)):
+      raise FP8Unavailable(reasons)
     from transformer_engine.jax import autocast
     from transformer_engine.jax.dense import dense
     from transformer_engine.jax.sharding import MeshResource

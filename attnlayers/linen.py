@@ -12,7 +12,8 @@ cache_index), so Flax's initialisation and checkpoints carry over. Added fields:
                 cache mask makes the single new query causal).
 
 The attention itself is the same `BackendAttention` the nnx layer uses, so both give the
-same numbers for the same parameters.
+same numbers for the same parameters; its docstring says how `force_fp32_for_softmax` and
+complex inputs (which run on 'naive', as in Flax) are handled.
 """
 
 from __future__ import annotations
@@ -30,21 +31,14 @@ from attnlayers import backends
 from attnlayers.flax_attention import BackendAttention
 
 
-def _kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
-  """Flax's rules for defaulting k/v inputs (including the deprecated inputs_kv)."""
-  if inputs_kv is not None:
-    if inputs_k is not None or inputs_v is not None:
-      raise ValueError("If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None; "
-                       "prefer `inputs_k` and `inputs_v`.")
-    warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead.",
-                  DeprecationWarning)
-    return inputs_kv, inputs_kv
-  if inputs_k is None:
-    if inputs_v is not None:
-      raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None. To have both be the same "
-                       "value, pass it to `inputs_k` and leave `inputs_v` as None.")
-    inputs_k = inputs_q
-  return inputs_k, inputs_k if inputs_v is None else inputs_v
+# What this module copies from Flax, all of it in the class below: flax.linen.MultiHeadDotProductAttention's
+# `__call__`, as of flax 0.12.x (its linen/attention.py is the same file in 0.12.8 and 0.12.12). Flax
+# builds the key/value projections with num_heads heads and checks its decode cache against the query's
+# shape, so grouped kv heads cannot reuse it. Lines that differ from Flax end in "# ours"; the rest is
+# Flax's logic. tests/test_linen.py fails when the installed Flax's method no longer matches these two:
+FLAX_CALL_SIGNATURE = ("(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None, "
+                       "deterministic=None, dropout_rng=None, sow_weights=False)")
+FLAX_CALL_SOURCE_SHA256 = "fdf33c91d425a6760b2e1136f75b88443304b7ecc031e2aa5b466d4c9b977dbe"
 
 
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
@@ -69,18 +63,21 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
                        "Flax's own attention: pass attention_fn=flax.linen.dot_product_attention with them")
     return BackendAttention(self.backend)
 
+  # ---- the copy of Flax's __call__ (flax 0.12.x), in three parts: __call__, _kv_inputs, _update_cache ----
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
                deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False,
-               is_causal: bool | None = None):
-    attention_fn = self._attention_fn()
-    inputs_k, inputs_v = _kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
+               is_causal: bool | None = None):  # ours: is_causal
+    attention_fn = self._attention_fn()  # ours
+    inputs_k, inputs_v = self._kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
-    num_kv_heads = self.num_kv_heads or self.num_heads
+    if self.num_kv_heads is not None and (not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0):  # ours
+      raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None); got {self.num_kv_heads!r}")
+    num_kv_heads = self.num_kv_heads or self.num_heads  # ours
     if qkv_features % self.num_heads:
       raise ValueError(f"Memory dimension ({qkv_features}) must be divisible by number of heads ({self.num_heads}).")
-    if self.num_heads % num_kv_heads:
+    if self.num_heads % num_kv_heads:  # ours
       raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({num_kv_heads}).")
     head_dim = qkv_features // self.num_heads
     dense = functools.partial(
@@ -88,16 +85,16 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
         precision=self.precision, dot_general=self.qkv_dot_general, dot_general_cls=self.qkv_dot_general_cls)
     query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)  # (batch..., T, N, H)
-    key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)  # (batch..., S, K, H)
-    value = dense(features=(num_kv_heads, head_dim), name="value")(inputs_v)  # (batch..., S, K, H)
+    key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)  # (batch..., S, K, H)  ours: K
+    value = dense(features=(num_kv_heads, head_dim), name="value")(inputs_v)  # (batch..., S, K, H)  ours: K
     if self.normalize_qk:
       ln = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
       query, key = ln(name="query_ln")(query), ln(name="key_ln")(key)
 
-    causal = self.is_causal if is_causal is None else is_causal
+    causal = self.is_causal if is_causal is None else is_causal  # ours
     if self.decode:
       key, value, mask = self._update_cache(key, value, mask)
-      causal = False  # the cache mask limits the new query to positions <= its own
+      causal = False  # ours: the cache mask limits the new query to positions <= its own
 
     if self.dropout_rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
@@ -107,14 +104,13 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       deterministic = True
     kwargs = dict(mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
                   broadcast_dropout=self.broadcast_dropout, deterministic=deterministic, dtype=self.dtype,
-                  precision=self.precision, force_fp32_for_softmax=self.force_fp32_for_softmax)
-    if self.qk_attn_weights_einsum_cls:
-      kwargs["qk_attn_weights_einsum"] = self.qk_attn_weights_einsum_cls()
-    if self.attn_weights_value_einsum_cls:
-      kwargs["attn_weights_value_einsum"] = self.attn_weights_value_einsum_cls()
+                  precision=self.precision, force_fp32_for_softmax=self.force_fp32_for_softmax,
+                  qk_attn_weights_einsum=self.qk_attn_weights_einsum_cls() if self.qk_attn_weights_einsum_cls else None,
+                  attn_weights_value_einsum=(self.attn_weights_value_einsum_cls()
+                                             if self.attn_weights_value_einsum_cls else None))
     accepted = inspect.signature(attention_fn).parameters
-    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # as Flax does for custom attention_fns
-    if causal:
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}  # custom attention_fns get what they take
+    if causal:  # ours
       if "is_causal" not in accepted:
         raise ValueError("is_causal=True, but the custom attention_fn takes no is_causal argument")
       kwargs["is_causal"] = True
@@ -127,6 +123,33 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
         dot_general_cls=self.out_dot_general_cls, name="out")(x)  # (batch..., T, features)
 
+  @staticmethod
+  def _kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
+    """Flax's defaults for k/v inputs, the deprecated inputs_kv, and its warning for a mask passed as inputs_v."""
+    if inputs_kv is not None:
+      if inputs_k is not None or inputs_v is not None:
+        raise ValueError("If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must be None; "
+                         "prefer `inputs_k` and `inputs_v`.")
+      warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v instead.",
+                    DeprecationWarning)
+      return inputs_kv, inputs_kv
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None. To have both be the same "
+                         "value, pass it to `inputs_k` and leave `inputs_v` as None.")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      return inputs_k, inputs_k
+    if inputs_v.shape[-1] == inputs_v.shape[-2]:
+      warnings.warn(
+          f"You are passing an array of shape {inputs_v.shape} to the `inputs_v` arg, when you may have "
+          "intended to pass it to the `mask` arg. As of Flax version 0.7.4, the function signature of "
+          "MultiHeadDotProductAttention's `__call__` method has changed to `__call__(inputs_q, inputs_k=None, "
+          "inputs_v=None, *, inputs_kv=None, mask=None, deterministic=None)`. Use the kwarg `mask` instead. "
+          "See https://github.com/google/flax/discussions/3389 and read the docstring for more information.",
+          DeprecationWarning)
+    return inputs_k, inputs_v
+
   def _update_cache(self, key, value, mask):
     """Writes this step's k/v into the cache; returns the whole cache and its position mask."""
     is_initialized = self.has_variable("cache", "cached_key")
@@ -137,7 +160,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       return key, value, mask
     *batch_dims, max_length, num_kv_heads, depth = cached_key.value.shape
     expected = (*batch_dims, 1, num_kv_heads, depth)
-    if key.shape != expected:
+    if key.shape != expected:  # ours: Flax compares the query's shape, which has num_heads heads
       raise ValueError(f"Autoregressive cache shape error, expected key shape {expected} instead got {key.shape}.")
     index = cache_index.value
     zero = jnp.array(0, dtype=lax.dtype(index.dtype))
@@ -148,6 +171,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     seen = jnp.broadcast_to(jnp.arange(max_length) <= index, (*batch_dims, 1, 1, max_length))
     mask = seen if mask is None else nn.combine_masks(mask, seen)
     return cached_key.value, cached_value.value, mask
+  # ---- end of the copy of Flax's __call__ ----
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):

@@ -7,8 +7,9 @@ Added, keyword-only:
 
   backend:   any name in attnlayers.BACKENDS (default "auto"; see attnlayers.explain).
   is_causal: default for the call's `is_causal` (the call's value wins when given).
-  fp8_recipe: with backend="te-fp8", how the FP8 projections are scaled
-             (attnlayers.fp8.FP8Recipe; default TE DelayedScaling, HYBRID, history 1024, max).
+  fp8_recipe: with backend="te-fp8", how the FP8 projections are scaled and how the attention
+             core runs (attnlayers.fp8.FP8Recipe; default TE DelayedScaling, HYBRID, history
+             1024, max, and core="fp8": cuDNN FP8 attention or a clear refusal).
 
 With backend="te-fp8" the q/k/v/out projections run as TransformerEngine FP8 GEMMs; their
 scaling state is FP8Meta variables beside the parameters (see attnlayers.fp8), which a
@@ -43,12 +44,17 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   def __init__(self, *args, backend: str = backends.AUTO, is_causal: bool = False, attention_fn=None,
                fp8_recipe: fp8.FP8Recipe | None = None, **kwargs):
     backends.check_name(backend)
+    kv_heads = kwargs.get("num_kv_heads")
+    if kv_heads is not None and (not isinstance(kv_heads, int) or kv_heads <= 0):
+      raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None for num_heads); "
+                       f"got {kv_heads!r}")
     if attention_fn is not None and backend != backends.AUTO:
       raise ValueError(f"pass either attention_fn= or backend= ({backend!r}), not both: a custom "
                        "attention_fn replaces the backend's kernel")
     if fp8_recipe is not None and backend != "te-fp8":
       raise ValueError(f"fp8_recipe= applies to backend='te-fp8' only; got backend={backend!r}")
-    super().__init__(*args, attention_fn=attention_fn or BackendAttention(backend), **kwargs)
+    fp8_core = (fp8_recipe or fp8.FP8Recipe()).core
+    super().__init__(*args, attention_fn=attention_fn or BackendAttention(backend, fp8_core=fp8_core), **kwargs)
     self.backend = backend if attention_fn is None else "custom attention_fn"
     self.is_causal = is_causal
     if backend == "te-fp8":

@@ -9,13 +9,21 @@ from attnlayers.spec import Call
 
 
 class BackendUnavailableError(RuntimeError):
-  """The requested backend cannot run this call; `reasons` lists every unmet requirement."""
+  """The requested backend cannot run this call; `reasons` lists every unmet requirement.
 
-  def __init__(self, plan: "Plan"):
+  Every backend raises this (te-fp8's projections raise its subclass attnlayers.fp8.FP8Unavailable).
+  `plan` is the full report where a call was planned, else None.
+  """
+
+  def __init__(self, backend: str, reasons: tuple[str, ...], message: str, plan: "Plan | None" = None):
+    self.backend = backend
+    self.reasons = tuple(reasons)
     self.plan = plan
-    self.backend = plan.requested
-    self.reasons = tuple(r for rs in plan.unmet.values() for r in rs)
-    super().__init__(str(plan))
+    super().__init__(message)
+
+  @classmethod
+  def from_plan(cls, plan: "Plan") -> "BackendUnavailableError":
+    return cls(plan.requested, tuple(r for rs in plan.unmet.values() for r in rs), str(plan), plan)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,16 +4,28 @@ Letters, as in `jax.nn.dot_product_attention`: B batch, T query length, S key/va
 length, N query heads, K key/value heads (N % K == 0: K == N is MHA, 1 < K < N is GQA,
 K == 1 is MQA), H head dim. q is (B, T, N, H); k and v are (B, S, K, H); a mask or bias
 broadcasts to (B, N, T, S). Masks are boolean with True = may attend, for every backend.
+
+`Options` is what every backend's `run(q, k, v, opts)` receives; `Call` is what every
+backend's `unmet(call)` reads (shapes, dtype, options, device: no arrays).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attnlayers import device as device_lib
+
+# How te-fp8 runs its attention core (the projections are FP8 GEMMs in any case):
+#   "fp8"          cuDNN's FP8 flash attention; a call it cannot take is refused with the reasons.
+#   "fp8-or-bf16"  FP8 where the call qualifies, else TransformerEngine's bf16 kernel; explain() says which.
+#   "bf16"         always TransformerEngine's bf16 kernel.
+FP8_CORE_MODES = ("fp8", "fp8-or-bf16", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +34,19 @@ class Dropout:
   rate: float  # probability of dropping a weight, 0 < rate < 1
   rng: object  # a jax PRNG key
   broadcast: bool = True  # one (T, S) pattern shared across batch and heads
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Everything of one call but q, k, v; the one argument every backend's run() takes besides them."""
+  scale: float  # multiplies q k^T
+  is_causal: bool = False  # query i attends keys j <= i (top-left aligned when T != S)
+  mask: object = None  # boolean, broadcastable to (B, N, T, S); True = may attend
+  bias: object = None  # float, broadcastable to (B, N, T, S); added to the scaled scores
+  dropout: Dropout | None = None  # on the attention weights (naive only)
+  precision: object = None  # a jax.lax.Precision for the score and value matmuls, or None
+  return_weights: bool = False  # also return the (B, N, T, S) weights (naive only)
+  fp8_core: str = "fp8"  # te-fp8 only: one of FP8_CORE_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +65,7 @@ class Call:
   dropout: bool  # dropout on the attention weights is requested
   return_weights: bool  # the caller wants the (B, N, T, S) weights back
   precision: object  # None, or a jax.lax.Precision the caller asked for
+  fp8_core: str  # te-fp8's core mode, one of FP8_CORE_MODES
   device: device_lib.DeviceInfo
 
   def shape_str(self) -> str:
@@ -56,13 +82,50 @@ def _check_broadcast(name: str, x, target: tuple[int, ...], letters: str) -> tup
   return shape
 
 
-def describe(q, k, v, *, is_causal: bool = False, mask=None, bias=None, dropout: Dropout | None = None,
-             return_weights: bool = False, precision=None) -> Call:
-  """Validates q/k/v/mask/bias and returns the call's description; raises ValueError naming the values."""
+def _array_like(name: str, x):
+  if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
+    raise TypeError(f"{name} must be an array (jax.Array, numpy.ndarray or jax.ShapeDtypeStruct); "
+                    f"got {type(x).__name__}. Wrap it with jnp.asarray().")
+
+
+def check_array_args(q, k, v) -> None:
+  """q, k, v are arrays (before anything reads their shapes)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
-    if getattr(x, "ndim", None) != 4:
+    _array_like(name, x)
+
+
+def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None = None, precision=None,
+            return_weights: bool = False, fp8_core: str = "fp8", head_dim: int) -> Options:
+  """Validates the scalar options of a call (scale, is_causal, fp8_core) and returns them as one Options."""
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
+  if scale is None:
+    scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0  # H == 0 is reported by describe()
+  elif isinstance(scale, jax.core.Tracer):
+    raise TypeError("scale must be a Python number known when the call is traced (it is a static option of the "
+                    "fused kernels); got a traced value. Pass it as a constant, or scale q by it and pass scale=1.0.")
+  elif not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) or np.ndim(scale) != 0:
+    raise TypeError(f"scale must be a real number; got {scale!r}")
+  scale = float(scale) if scale is not None else scale
+  if not (math.isfinite(scale) and scale > 0):
+    raise ValueError(f"scale must be a finite number > 0 (default 1/sqrt(H)); got {scale}")
+  if fp8_core not in FP8_CORE_MODES:
+    raise ValueError(f"fp8_core must be one of {', '.join(map(repr, FP8_CORE_MODES))}; got {fp8_core!r}")
+  if dropout is not None and not (0.0 < dropout.rate < 1.0):
+    raise ValueError(f"dropout rate must be in (0, 1); got {dropout.rate}")
+  if dropout is not None and dropout.rng is None:
+    raise ValueError(f"dropout_rate={dropout.rate} needs a dropout_rng (a jax PRNG key)")
+  return Options(scale=scale, is_causal=bool(is_causal), mask=mask, bias=bias, dropout=dropout, precision=precision,
+                 return_weights=bool(return_weights), fp8_core=fp8_core)
+
+
+def describe(q, k, v, opts: Options) -> Call:
+  """Validates q/k/v/mask/bias and returns the call's description; raises naming the values."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _array_like(name, x)
+    if x.ndim != 4:
       raise ValueError(
-          f"q, k, v must be rank 4: q (B, T, N, H), k and v (B, S, K, H); {name} has shape {getattr(x, 'shape', None)}. "
+          f"q, k, v must be rank 4: q (B, T, N, H), k and v (B, S, K, H); {name} has shape {x.shape}. "
           "Flatten extra batch dims into B, or use attnlayers.nnx / attnlayers.linen layers, which do.")
   B, T, N, H = q.shape
   if k.shape != v.shape:
@@ -72,26 +135,32 @@ def describe(q, k, v, *, is_causal: bool = False, mask=None, bias=None, dropout:
     raise ValueError(f"q and k/v batch sizes differ: q {q.shape} has B={B}, k {k.shape} has B={kB}")
   if kH != H:
     raise ValueError(f"q and k/v head dims differ: q {q.shape} has H={H}, k {k.shape} has H={kH}")
-  if K == 0 or N % K:
+  empty = [f"{letter}={n}" for letter, n in zip("BTNHSK", (B, T, N, H, S, K)) if n == 0]
+  if empty:
+    raise ValueError(f"q {q.shape} and k/v {k.shape} must have no zero-sized dim; got {', '.join(empty)} "
+                     "(attention over no keys, heads or features is undefined)")
+  if N % K:
     raise ValueError(f"num_heads N ({N}) must be divisible by num_kv_heads K ({K}): use K = N (MHA), "
                      f"a divisor of N (GQA) or K = 1 (MQA); q {q.shape}, k {k.shape}")
   if not (q.dtype == k.dtype == v.dtype):
     raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}. Cast them to one dtype first.")
-  if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise ValueError(f"q, k, v must be floating point; got {q.dtype}")
+  if not jnp.issubdtype(q.dtype, jnp.inexact):  # complex as Flax takes it; which backends run it is their unmet()
+    raise ValueError(f"q, k, v must be floating point or complex; got {q.dtype}")
   target, letters = (B, N, T, S), "B, N, T, S"
   mask_shape = bias_shape = None
-  if mask is not None:
-    if mask.dtype != jnp.bool_:
-      raise ValueError(f"mask must be boolean (True = may attend); got {mask.dtype}. Pass mask.astype(bool) if "
-                       "nonzero means attend, or mask == 0 if your convention is True = masked out.")
-    mask_shape = _check_broadcast("mask", mask, target, letters)
-  if bias is not None:
-    if not jnp.issubdtype(bias.dtype, jnp.floating):
-      raise ValueError(f"bias must be floating point; got {bias.dtype}")
-    bias_shape = _check_broadcast("bias", bias, target, letters)
-  if dropout is not None and not (0.0 < dropout.rate < 1.0):
-    raise ValueError(f"dropout rate must be in (0, 1); got {dropout.rate}")
-  return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=np.dtype(q.dtype), is_causal=bool(is_causal),
-              mask_shape=mask_shape, bias_shape=bias_shape, dropout=dropout is not None,
-              return_weights=bool(return_weights), precision=precision, device=device_lib.current())
+  if opts.mask is not None:
+    _array_like("mask", opts.mask)
+    if opts.mask.dtype != jnp.bool_:
+      raise ValueError(f"mask must be boolean (True = may attend); got {opts.mask.dtype}. Pass mask.astype(bool) if "
+                       "nonzero means attend, or mask == 0 if your convention is True = masked out; an additive "
+                       "mask (0 / -inf) goes in bias=.")
+    mask_shape = _check_broadcast("mask", opts.mask, target, letters)
+  if opts.bias is not None:
+    _array_like("bias", opts.bias)
+    if not jnp.issubdtype(opts.bias.dtype, jnp.floating):
+      raise ValueError(f"bias must be floating point; got {opts.bias.dtype}")
+    bias_shape = _check_broadcast("bias", opts.bias, target, letters)
+  return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=np.dtype(q.dtype), is_causal=opts.is_causal,
+              mask_shape=mask_shape, bias_shape=bias_shape, dropout=opts.dropout is not None,
+              return_weights=opts.return_weights, precision=opts.precision, fp8_core=opts.fp8_core,
+              device=device_lib.of(q, k, v))

@@ -16,6 +16,7 @@ class GPTConfig:
   mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * d_model
   dropout: float = 0.0  # residual/embedding dropout (nanoGPT's); 0 for pre-training speed
   backend: str = "auto"  # attention kernel, any name in attnlayers.BACKENDS
+  fp8_core: str = "fp8"  # te-fp8 only: its attention core, "fp8" (or refuse), "fp8-or-bf16" or "bf16"
   causal: bool = True  # causal self-attention (a decoder); False gives a bidirectional encoder
   dtype: str = "bfloat16"  # compute dtype of activations and matmuls
   param_dtype: str = "float32"  # parameters and optimizer state
@@ -27,6 +28,8 @@ class GPTConfig:
       raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
     if self.n_head % kv:
       raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
+    if self.fp8_core != "fp8" and self.backend != "te-fp8":
+      raise ValueError(f"fp8_core={self.fp8_core!r} applies to backend 'te-fp8' only; got backend {self.backend!r}")
 
   @property
   def head_dim(self) -> int:

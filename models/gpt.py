@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from attnlayers.fp8 import FP8Recipe
 from attnlayers.nnx import MultiHeadAttention
 from models.config import GPTConfig
 
@@ -27,7 +28,8 @@ class Block(nnx.Module):
     self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.attn = MultiHeadAttention(
         cfg.n_head, cfg.d_model, num_kv_heads=cfg.n_kv_head, backend=cfg.backend, is_causal=cfg.causal,
-        decode=False, dtype=dt, param_dtype=pdt, kernel_init=init, out_kernel_init=proj_init, rngs=rngs)
+        decode=False, dtype=dt, param_dtype=pdt, kernel_init=init, out_kernel_init=proj_init,
+        fp8_recipe=FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None, rngs=rngs)
     self.ln2 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     hidden = cfg.mlp_ratio * cfg.d_model
     self.fc = nnx.Linear(cfg.d_model, hidden, dtype=dt, param_dtype=pdt, kernel_init=init, rngs=rngs)
@@ -73,14 +75,20 @@ class GPT(nnx.Module):
     return logits.astype(jnp.float32)
 
 
-def count_params(model: GPT, *, exclude_positions: bool = True) -> int:
-  """Parameters as nanoGPT counts them for FLOPs: tied embeddings once, positions excluded."""
-  n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  return n - (model.wpe.embedding.size if exclude_positions else 0)
+def count_params(model: GPT) -> int:
+  """The N of MFU: weights that multiply activations (as nanochat counts them). Every kernel
+  of the attention and MLP projections, and the token embedding where it is the tied output
+  projection; not the position table or an untied token table (lookups, no FLOPs), nor
+  biases and LayerNorm scales (elementwise)."""
+  params = nnx.to_pure_dict(nnx.state(model.blocks, nnx.Param))
+  kernels = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params) if path[-1].key == "kernel")
+  head = model.wte.embedding.size if model.head is None else model.head.kernel.size
+  return kernels + head
 
 
 def flops_per_token(cfg: GPTConfig, n_params: int, seq_len: int) -> float:
-  """Training FLOPs per token: 6N for the matmuls with parameters (forward + backward) plus
-  12 * L * n_head * head_dim * T for attention scores and values (PaLM appendix B / nanoGPT;
-  counts the full T x T square, also for causal)."""
+  """Training FLOPs per token as nanoGPT / PaLM (appendix B) count them for MFU: 6N for the
+  matmuls with weights (forward + backward) plus 12 * L * n_head * head_dim * T for attention
+  scores and values. This counts the full T x T square, also for causal attention, whose
+  kernels compute about half of it: MFU is that convention, not a count of what ran."""
   return 6 * n_params + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len

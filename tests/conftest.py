@@ -1,3 +1,6 @@
+import glob
+import os
+
 import jax
 import pytest
 
@@ -8,10 +11,20 @@ if jax.default_backend() == "gpu":
   jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def pytest_collection_modifyitems(config, items):
-  if jax.default_backend() == "gpu":
+def _unused_nvidia_gpus() -> list[str]:
+  """NVIDIA GPU device files on a machine where jax runs elsewhere, unless JAX_PLATFORMS chose that."""
+  if jax.default_backend() == "gpu" or "JAX_PLATFORMS" in os.environ:
+    return []
+  return sorted(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def pytest_runtest_setup(item):
+  """gpu tests skip where there is no NVIDIA GPU, and fail where one is present but jax cannot use it."""
+  if "gpu" not in item.keywords or jax.default_backend() == "gpu":
     return
-  skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU; jax's default backend here is {jax.default_backend()!r}")
-  for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+  unused = _unused_nvidia_gpus()
+  if unused:  # a broken CUDA install must not pass as "no GPU here"
+    pytest.fail(f"an NVIDIA GPU is present ({', '.join(unused)}) but jax runs on {jax.default_backend()!r}: "
+                "install jax with CUDA (e.g. pip install 'jax[cuda13]'), or set JAX_PLATFORMS=cpu to run "
+                "the CPU tests alone on purpose", pytrace=False)
+  pytest.skip(f"needs an NVIDIA GPU; jax's default backend here is {jax.default_backend()!r}")

@@ -59,14 +59,20 @@ def _expand_kv(x, N):
   return np.repeat(x, N // x.shape[2], axis=2).transpose(0, 2, 1, 3)
 
 
-def forward(q, k, v, *, mask=None, is_causal=False, scale=None):
-  """Returns (out (B, T, N, H), probabilities (B, N, T, S)) in float64."""
+def forward(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None):
+  """Returns (out (B, T, N, H), probabilities (B, N, T, S)) in float64.
+
+  scores = q k^T * scale (default 1/sqrt(H)) + bias (broadcastable to (B, N, T, S)), then
+  the mask and causal limit, then softmax over S.
+  """
   q = np.asarray(q, np.float64)
   B, T, N, H = q.shape
   S = k.shape[1]
   scale = 1.0 / np.sqrt(H) if scale is None else scale
   kx, vx = _expand_kv(k, N), _expand_kv(v, N)  # (B, N, S, H)
-  scores = np.einsum("btnh,bnsh->bnts", q, kx) * scale
+  scores = np.einsum("btnh,bnsh->bnts", q, kx) * scale  # (B, N, T, S)
+  if bias is not None:
+    scores = scores + np.asarray(bias, np.float64)
   keep = np.broadcast_to(allowed(T, S, mask, is_causal), scores.shape)
   scores = np.where(keep, scores, -np.inf)
   p = np.exp(scores - scores.max(-1, keepdims=True))
@@ -74,13 +80,13 @@ def forward(q, k, v, *, mask=None, is_causal=False, scale=None):
   return np.einsum("bnts,bnsh->btnh", p, vx), p
 
 
-def gradients(q, k, v, dout, *, mask=None, is_causal=False, scale=None):
-  """d(sum(out * dout)) / d(q, k, v) in float64, by the textbook softmax backward."""
+def gradients(q, k, v, dout, *, mask=None, is_causal=False, scale=None, bias=None):
+  """d(sum(out * dout)) / d(q, k, v) in float64, by the textbook softmax backward (bias held fixed)."""
   q64 = np.asarray(q, np.float64)
   B, T, N, H = q64.shape
   K = k.shape[2]
   scale = 1.0 / np.sqrt(H) if scale is None else scale
-  _, p = forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale)
+  _, p = forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale, bias=bias)
   kx, vx = _expand_kv(k, N), _expand_kv(v, N)  # (B, N, S, H)
   g = np.asarray(dout, np.float64).transpose(0, 2, 1, 3)  # (B, N, T, H)
   dp = g @ vx.transpose(0, 1, 3, 2)  # (B, N, T, S)

@@ -1,5 +1,6 @@
 """Every backend that runs on a CPU, against the float64 reference: outputs and gradients."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,8 +17,22 @@ def test_backend_matches_reference(backend, case):
   cases.check(backend, case)
 
 
-@pytest.mark.parametrize("case", cases.matrix((jnp.float32,)), ids=cases.case_id)
-def test_auto_matches_reference_on_cpu(case):
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_auto_runs_the_backend_it_explains(dtype):
+  """auto lowers to exactly the program of the backend explain() names, and matches the reference.
+
+  Its choice: cudnn for bf16 on an NVIDIA GPU, else xla (float32 never goes to cudnn). The
+  programs are compared, not the outputs: on a CPU naive and xla give the same bits.
+  """
+  case = dict(heads="GQA", causal=True, masked=True, dtype=dtype)
+  q, k, v, _, mask = cases.inputs(case)
+  chosen = attnlayers.explain("auto", q, k, v, is_causal=True, mask=mask).chosen
+  assert chosen == ("cudnn" if jax.default_backend() == "gpu" and dtype == jnp.bfloat16 else "xla")
+  attend = lambda q, k, v, mask, backend: attnlayers.attention(q, k, v, backend=backend, is_causal=True, mask=mask)
+  run = jax.jit(attend, static_argnames="backend")
+  program = {b: run.lower(q, k, v, mask, backend=b).as_text() for b in ("auto", chosen, "naive")}
+  assert program["auto"] == program[chosen]
+  assert program["auto"] != program["naive"]  # so the comparison above can tell backends apart
   cases.check("auto", case)
 
 
@@ -49,10 +64,13 @@ def test_hand_computed_value():
     np.testing.assert_allclose(float(out[0, 0, 0, 0]), want, rtol=1e-6)
 
 
-def test_bias_and_scale_agree_across_backends():
-  q, k, v, _, _ = cases.inputs(dict(heads="MQA", causal=False, masked=False, dtype=jnp.float32))
-  bias = jnp.linspace(-1, 1, 16 * 16).reshape(1, 1, 16, 16)
-  a = attnlayers.attention(q, k, v, backend="naive", bias=bias, scale=0.3)
-  b = attnlayers.attention(q, k, v, backend="xla", bias=bias, scale=0.3)
-  reference.assert_close(a, b, jnp.float32)
-  assert not np.allclose(a, attnlayers.attention(q, k, v, backend="xla", scale=0.3))  # the bias mattered
+BIAS_CASES = [dict(heads="GQA", causal=True, masked=True, dtype=jnp.float32),
+              dict(heads="MQA", causal=False, masked=False, dtype=jnp.float32),
+              dict(heads="MHA", causal=True, masked=False, dtype=jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("backend", ["naive", "xla"])
+@pytest.mark.parametrize("case", BIAS_CASES, ids=cases.case_id)
+def test_bias_and_scale_match_reference(backend, case):
+  """A per-head bias (1, N, T, S) and scale 0.5 (twice the default 1/sqrt(16)): outputs and gradients."""
+  cases.check(backend, case, scale=0.5, bias=cases.head_bias(case))

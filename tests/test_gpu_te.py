@@ -66,15 +66,42 @@ def test_te_fp8_core_runs_cudnn_fp8_forward_and_bf16_backward():
   assert "f8e4m3fn" in fp8_call, fp8_call  # the kernel's q/k/v operands are E4M3
 
 
-@pytest.mark.parametrize("case", [dict(heads="GQA", causal=True, masked=True, dtype=jnp.bfloat16),
-                                  dict(heads="MHA", causal=False, masked=False, dtype=jnp.bfloat16)],
-                         ids=cases.case_id)
-def test_te_fp8_core_runs_bf16_where_fp8_cannot_and_says_why(case):
-  q, k, v, _, mask = cases.inputs(case, **GPU_SHAPE)  # head dim 64: not an FP8 shape
+NOT_FP8 = [dict(heads="GQA", causal=True, masked=True, dtype=jnp.bfloat16),  # a mask, head dim 64
+           dict(heads="MHA", causal=False, masked=False, dtype=jnp.bfloat16)]  # head dim 64
+
+
+@pytest.mark.parametrize("case", NOT_FP8, ids=cases.case_id)
+def test_te_fp8_refuses_a_call_its_fp8_core_cannot_take_by_default(case):
+  q, k, v, _, mask = cases.inputs(case, **GPU_SHAPE)
   plan = attnlayers.explain("te-fp8", q, k, v, is_causal=case["causal"], mask=mask)
-  assert plan.chosen == "te" or plan.chosen == "te-fp8"
-  assert any("TransformerEngine bf16 fused attention" in n and "head dim 128" in n for n in plan.notes), plan.notes
-  cases.check("te-fp8", case, **GPU_SHAPE)  # bf16 tolerance: it is the bf16 kernel
+  assert not plan.ok and plan.chosen is None
+  assert any("head dim 128" in r for r in plan.unmet["te-fp8"]) and "fp8_core='fp8-or-bf16'" in str(plan), str(plan)
+  with pytest.raises(attnlayers.BackendUnavailableError, match="fp8_core='fp8'"):
+    attnlayers.attention(q, k, v, backend="te-fp8", is_causal=case["causal"], mask=mask)
+
+
+@pytest.mark.parametrize("mode", ["fp8-or-bf16", "bf16"])
+@pytest.mark.parametrize("case", NOT_FP8, ids=cases.case_id)
+def test_te_fp8_runs_bf16_core_only_when_told_and_says_why(case, mode):
+  q, k, v, dout, mask = cases.inputs(case, **GPU_SHAPE)  # head dim 64: not an FP8 shape
+  causal = case["causal"]
+  plan = attnlayers.explain("te-fp8", q, k, v, is_causal=causal, mask=mask, fp8_core=mode)
+  assert plan.chosen == "te-fp8", str(plan)
+  assert any(n.startswith("core: TransformerEngine bf16 fused attention") and f"'{mode}'" in n for n in plan.notes), plan.notes
+  lines = custom_calls(lambda q, k, v: attnlayers.attention(q, k, v, backend="te-fp8", is_causal=causal, mask=mask,
+                                                            fp8_core=mode), q, k, v)
+  assert any(t.startswith("te_fused_attn_forward") for t in targets(lines)), targets(lines)
+  out = attnlayers.attention(q, k, v, backend="te-fp8", is_causal=causal, mask=mask, fp8_core=mode)
+  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+  want, _ = reference.forward(f64(q), f64(k), f64(v), mask=None if mask is None else np.asarray(mask), is_causal=causal)
+  reference.assert_close(out, want, jnp.bfloat16, "out", f"te-fp8 {mode} core")  # bf16 tolerance: the bf16 kernel
+
+
+def test_te_fp8_bf16_mode_keeps_a_qualifying_call_in_bf16():
+  q, k, v, _, _ = cases.inputs(dict(heads="MHA", causal=True, masked=False, dtype=jnp.bfloat16), **FP8_SHAPE)
+  attend = lambda q, k, v: attnlayers.attention(q, k, v, backend="te-fp8", is_causal=True, fp8_core="bf16")
+  found = targets(custom_calls(attend, q, k, v))
+  assert "__cudnn$fmhaSoftmaxF8" not in found and any(t.startswith("te_fused_attn_forward") for t in found), found
 
 
 def test_te_fp8_explain_names_the_fp8_core():

@@ -1,4 +1,6 @@
-"""attnlayers.nnx.MultiHeadAttention against flax.nnx.MultiHeadAttention and itself across backends."""
+"""attnlayers.nnx.MultiHeadAttention against flax.nnx.MultiHeadAttention and the float64 reference."""
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ from attnlayers.fp8 import OPERANDS as FP8_OPERANDS
 from attnlayers.fp8 import FP8Meta, FP8Recipe, FP8Unavailable
 from attnlayers.flax_attention import BackendAttention
 from attnlayers.nnx import MultiHeadAttention
-from tests import reference
+from tests import cases, reference
 
 D = 32  # model width
 
@@ -63,20 +65,27 @@ def test_construction_time_is_causal():
   np.testing.assert_array_equal(causal(x, is_causal=False), flax(x))  # the call's value wins
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("backend", ["naive", "xla", "auto"])
-def test_backends_share_parameters_and_numbers(backend):
-  ref = MultiHeadAttention(4, D, num_kv_heads=2, decode=False, backend="naive", rngs=nnx.Rngs(0))
-  other = MultiHeadAttention(4, D, num_kv_heads=2, decode=False, backend=backend, rngs=nnx.Rngs(7))
-  assert jax.tree.map(jnp.shape, params_of(ref)) == jax.tree.map(jnp.shape, params_of(other))
-  nnx.update(other, nnx.state(ref, nnx.Param))  # a checkpoint of one backend loads into another
+def test_every_backend_matches_the_reference_from_a_loaded_checkpoint(backend, dtype):
+  """A checkpoint of one backend loads into another, which then computes the float64 reference.
+
+  The reference is built from the checkpoint's projections (the source layer's), so the test
+  fails if the parameters did not load as well as if the backend's numbers are off.
+  """
+  source = MultiHeadAttention(4, D, num_kv_heads=2, decode=False, backend="naive", dtype=dtype, rngs=nnx.Rngs(0))
+  layer = MultiHeadAttention(4, D, num_kv_heads=2, decode=False, backend=backend, dtype=dtype, rngs=nnx.Rngs(7))
+  nnx.update(layer, nnx.state(source, nnx.Param))
   x, mask = x_and_mask()
-  reference.assert_close(other(x, mask=mask, is_causal=True), ref(x, mask=mask, is_causal=True), jnp.float32)
+  want = cases.layer_reference(source, x, mask=mask, is_causal=True)
+  reference.assert_close(layer(x, mask=mask, is_causal=True), want, dtype, what=f"{backend} layer")
 
 
-def test_every_backend_builds_the_same_tree():
-  trees = {b: jax.tree.map(jnp.shape, params_of(MultiHeadAttention(4, D, num_kv_heads=2, backend=b, rngs=nnx.Rngs(0))))
-           for b in attnlayers.BACKENDS}
-  assert all(t == trees["auto"] for t in trees.values())
+def test_every_backend_builds_flax_parameter_tree():
+  shapes = lambda layer: jax.tree.map(jnp.shape, params_of(layer))
+  flax = shapes(nnx.MultiHeadAttention(4, D, num_kv_heads=2, rngs=nnx.Rngs(0)))
+  for b in attnlayers.BACKENDS:
+    assert shapes(MultiHeadAttention(4, D, num_kv_heads=2, backend=b, rngs=nnx.Rngs(0))) == flax, b
 
 
 @pytest.mark.parametrize("kv_heads", [4, 1], ids=["MHA", "MQA"])
@@ -99,6 +108,38 @@ def test_sow_weights_matches_flax():
   wb = nnx.state(flax, nnx.Intermediate)["attention_weights"]
   reference.assert_close(wa[0], wb[0], jnp.float32, what="sown weights")
   assert wa[0].shape == (2, 4, 8, 8)
+
+
+def test_sow_weights_warns_no_deprecation():
+  """Flax 0.12.6+ deprecates Module.sow() outside nnx.capture(); our layer must not trigger that.
+
+  Flax's own nnx.MultiHeadAttention does (flax/nnx/nn/attention.py, filtered in pyproject.toml);
+  ours keeps nnx.state(layer, nnx.Intermediate) working without it.
+  """
+  ours, _ = pair(num_kv_heads=2, backend="naive")
+  x, _ = x_and_mask()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ours(x, sow_weights=True)
+    ours(x, sow_weights=True)  # a second call appends to the sown tuple, as Module.sow does
+  deprecations = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)]
+  assert not deprecations, "\n".join(deprecations)
+  sown = nnx.state(ours, nnx.Intermediate)["attention_weights"]
+  assert len(sown) == 2 and sown[1].shape == (2, 4, 8, 8)
+
+
+def test_sow_weights_inside_nnx_capture_matches_flax():
+  """nnx.capture(layer, nnx.Intermediate), Flax's supported way to read sown values, works on ours as on Flax's."""
+  ours, flax = pair(num_kv_heads=2, backend="naive")
+  x, mask = x_and_mask()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)  # capture is the path without the deprecation
+    (a, sown), (b, flax_sown) = (nnx.capture(m, nnx.Intermediate)(x, mask=mask, sow_weights=True) for m in (ours, flax))
+  reference.assert_close(a, b, jnp.float32)
+  weights = sown["attention_weights"]
+  assert len(weights) == 1 and weights[0].shape == (2, 4, 8, 8)
+  reference.assert_close(weights[0], flax_sown["attention_weights"][0], jnp.float32, what="captured weights")
+  assert not nnx.state(ours, nnx.Intermediate)  # capture returns them; the layer keeps none
 
 
 def test_sow_weights_on_a_fused_backend_raises():
@@ -137,12 +178,13 @@ def test_backend_attention_plugs_into_flax_class():
   reference.assert_close(plugged(x, mask=mask), flax(x, mask=mask), jnp.float32)
 
 
-def test_jit_and_grad_through_layer():
-  layer = MultiHeadAttention(4, D, num_kv_heads=2, decode=False, is_causal=True, rngs=nnx.Rngs(0))
+def test_jit_and_grad_through_layer_match_flax():
+  ours, flax = pair(num_kv_heads=2)
   x, _ = x_and_mask()
-  grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)))(layer, x)
-  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
-  assert float(jnp.abs(grads["query"]["kernel"][...]).sum()) > 0
+  loss = lambda m, x: jnp.sum(m(x, is_causal=True) ** 2)
+  grads, flax_grads = (nnx.to_pure_dict(nnx.jit(nnx.grad(loss))(m, x)) for m in (ours, flax))
+  check = lambda path, got, want: reference.assert_close(got, want, jnp.float32, "grad", jax.tree_util.keystr(path))
+  jax.tree_util.tree_map_with_path(check, grads, flax_grads)  # also fails if the two trees differ
 
 
 def test_te_fp8_keeps_flax_parameters_and_adds_fp8_state_beside_them():
@@ -163,7 +205,7 @@ def test_te_fp8_keeps_flax_parameters_and_adds_fp8_state_beside_them():
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU message")
 def test_te_fp8_layer_on_cpu_names_every_reason():
   layer = MultiHeadAttention(4, D, backend="te-fp8", decode=False, rngs=nnx.Rngs(0))
-  with pytest.raises(FP8Unavailable, match=r"compute capability >= 8.9; have cpu(.|\n)*pip install 'attnlayers\[te\]'"):
+  with pytest.raises(FP8Unavailable, match=r"compute capability >= 8.9; the call's device is cpu(.|\n)*pip install 'attnlayers\[te\]'"):
     layer(jnp.ones((1, 8, D)))
 
 

@@ -1,14 +1,24 @@
-"""The README's walk-through runs as written: its python blocks, in order, in one namespace.
+"""The README's runnable claims: its walk-through runs as written, and `python -m attnlayers`
+measures every backend against a float64 reference.
 
-Blocks marked `# needs an NVIDIA GPU` run only there (the whole walk-through runs on a GPU).
+The walk-through's python blocks run in order, in one namespace. Blocks marked
+`# needs an NVIDIA GPU` run only in the GPU test, which on other machines is reported as
+skipped (with the reason) rather than passing without them.
 """
 
 import re
 from pathlib import Path
 
 import jax
+import numpy as np
+import pytest
+
+from attnlayers import __main__ as cli
+from attnlayers import backends
+from tests import reference
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+GPU_ONLY = "needs an NVIDIA GPU"
 
 
 def walkthrough_blocks() -> list[str]:
@@ -18,12 +28,45 @@ def walkthrough_blocks() -> list[str]:
   return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
-def test_walkthrough_runs():
-  blocks = walkthrough_blocks()
-  assert len(blocks) >= 4
+def run_blocks(blocks: list[str]) -> None:
   namespace: dict = {}
-  on_gpu = jax.default_backend() == "gpu"
   for block in blocks:
-    if "needs an NVIDIA GPU" in block and not on_gpu:
-      continue  # the GPU run of this test covers it
     exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - the README is ours
+
+
+def test_walkthrough_runs_without_a_gpu():
+  blocks = [b for b in walkthrough_blocks() if GPU_ONLY not in b]
+  assert blocks, "no walk-through block runs without a GPU: did the section or its marker change?"
+  run_blocks(blocks)
+
+
+@pytest.mark.gpu
+def test_walkthrough_runs_on_a_gpu():
+  blocks = walkthrough_blocks()
+  assert any(GPU_ONLY in b for b in blocks), f"no block marked {GPU_ONLY!r}: did the section change?"
+  run_blocks(blocks)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cli_reference_is_the_tests_reference(causal):
+  q, k, v = cli.inputs(2, 16, 4, 2, 16, "float32")  # GQA
+  want, _ = reference.forward(np.asarray(q), np.asarray(k), np.asarray(v), is_causal=causal)
+  np.testing.assert_allclose(cli.reference(q, k, v, causal), want, rtol=1e-12, atol=1e-12)
+
+
+def test_cli_measures_every_backend_against_float64(capsys):
+  shape = dict(batch=2, seq_len=16, heads=4, kv_heads=2, head_dim=16, dtype="float32")
+  cli.main([f"--{k.replace('_', '-')}={v}" for k, v in shape.items()])
+  header, *rows = capsys.readouterr().out.splitlines()
+  assert "reference: float64" in header
+  measured = dict(re.findall(r"^\s*(\S+)\s+ok.*max\|out - float64\| = (\S+)$", "\n".join(rows), flags=re.M))
+  unavailable = re.findall(r"^\s*(\S+)\s+unavailable$", "\n".join(rows), flags=re.M)
+  assert sorted([*measured, *unavailable]) == sorted(backends.NAMES)
+  assert {"auto", "naive", "xla"} <= set(measured)  # these run on any machine
+  q, k, v = cli.inputs(**shape)
+  want, _ = reference.forward(np.asarray(q), np.asarray(k), np.asarray(v), is_causal=True)
+  atol, rtol = reference.TOLERANCES[("float32", "out")]
+  bound = atol + rtol * float(np.abs(want).max())
+  for name, diff in measured.items():
+    # > 0: a float32 kernel is never bit-exact against float64, so 0 would mean a self-comparison
+    assert 0 < float(diff) <= bound, f"{name}: max|out - float64| = {diff}, allowed (0, {bound:.3g}]"

@@ -1,8 +1,9 @@
 """The one registry of attention backends. Each backend is one module here with
 
   NAME: str, SUMMARY: str
+  MIN_CC: (major, minor) compute capability it needs on an NVIDIA GPU, or None (any device)
   unmet(call: spec.Call) -> list[str]       every requirement this call misses ([] = can run)
-  run(q, k, v, *, scale, is_causal, mask, bias) -> (B, T, N, H)   (naive takes more options)
+  run(q, k, v, opts: spec.Options) -> (B, T, N, H), or (out, weights) when opts.return_weights
   notes(call) -> list[str]                  optional: how a runnable call runs (shown by explain)
 
 `auto` is not a backend: it is the first of AUTO_ORDER whose `unmet` is empty.
@@ -20,8 +21,9 @@ from attnlayers.backends import cudnn, naive, te, te_fp8, xla
 class Backend:
   name: str
   summary: str
+  min_cc: tuple[int, int] | None  # NVIDIA compute capability it needs; None: runs on any device
   unmet: Callable  # (Call) -> list[str]
-  run: Callable  # (q, k, v, *, scale, is_causal, mask, bias) -> out
+  run: Callable  # (q, k, v, Options) -> out
   notes: Callable  # (Call) -> list[str]: how it runs a call it can run
 
 
@@ -30,7 +32,7 @@ def _no_notes(call) -> list[str]:
 
 
 REGISTRY: dict[str, Backend] = {
-    m.NAME: Backend(m.NAME, m.SUMMARY, m.unmet, m.run, getattr(m, "notes", _no_notes))
+    m.NAME: Backend(m.NAME, m.SUMMARY, m.MIN_CC, m.unmet, m.run, getattr(m, "notes", _no_notes))
     for m in (naive, xla, cudnn, te, te_fp8)
 }
 AUTO = "auto"

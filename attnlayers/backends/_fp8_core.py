@@ -13,8 +13,9 @@ Scaling (current, per tensor, recomputed on every call, so no state):
 Forward: cuDNN FP8 kernel (Q.K^T and P.V as FP8 GEMMs, fp32 softmax). Backward: cuDNN's
 bf16 flash backward, fed by the FP8 forward's own softmax statistics and the dequantised
 tensors, so nothing is recomputed. cuDNN's FP8 backward also exists; benchmarks/fp8.py
-times both, and the FP8 one is not used because it is the slower one for causal attention
-on our H200 and its dP scale needs an amax history that a stateless call cannot keep.
+times both. On our H200 the FP8 one ran 1.000x-1.060x the bf16 one over four runs (the
+latest in benchmarks/results/h200/fp8.md), and its dP scale would need an amax history that
+a stateless call cannot keep, so the core uses the bf16 one.
 """
 
 from __future__ import annotations
@@ -34,33 +35,48 @@ E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 _BTNH = 0  # AttentionLayout.BTNH in jax's module
 
-# The private entry points we bind, with the argument names we bind them with.
+MIN_CC = (9, 0)  # cuDNN's FP8 flash attention: Hopper and Blackwell (9.x, 10.x); not 12.x
+
+# The private primitives we bind, positionally, and the argument names of the functions they
+# run (their impl, which jax also lowers through custom_partitioning, and their abstract
+# evaluation): the guard checks exactly these, so a reordered argument list is caught.
 _API = {
-    "_dot_product_attention_fp8_fwd_impl": (
+    "_dot_product_attention_fp8_fwd_p_wrapper": (
         "query", "key", "value", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o",
         "scale", "use_causal_mask", "layout", "is_training"),
-    "_dot_product_attention_bwd_impl": (
+    "_dot_product_attention_bwd_p_wrapper": (
         "query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
         "page_table_v", "activation", "fwd_output", "grad_output", "scale", "seed", "dropout_rate",
         "variadic_args", "mask_type", "layout", "sliding_window_length"),
-    "_dot_product_attention_fp8_bwd_impl": (
+    "_dot_product_attention_fp8_bwd_p_wrapper": (
         "query", "key", "value", "fwd_output", "grad_output", "activation", "descale_q", "descale_k", "descale_v",
         "descale_o", "descale_dO", "descale_s", "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV",
         "scale_dP", "scale", "use_causal_mask", "layout"),
 }
 
 
+def _rules(primitive_name: str):
+  """The functions a wrapper primitive runs: its impl and its abstract evaluation rule."""
+  stem = primitive_name.removesuffix("_p_wrapper")
+  return getattr(_fa, primitive_name, None), getattr(_fa, stem + "_impl", None), getattr(_fa, stem + "_abstract", None)
+
+
 @functools.cache
 def api_problem() -> str | None:
-  """None when this jax has the private cuDNN FP8 entry points as we call them; else why not."""
-  if _fa is None or _fa.AttentionLayout.BTNH.value != _BTNH:
+  """None when this jax has the private cuDNN primitives we bind, taking arguments as we pass them; else why not."""
+  if _fa is None or getattr(getattr(_fa, "AttentionLayout", None), "BTNH", None) is None \
+      or _fa.AttentionLayout.BTNH.value != _BTNH:
     return f"jax {jax.__version__} has no jax._src.cudnn.fused_attention_stablehlo as attnlayers knows it"
   for name, want in _API.items():
-    fn = getattr(_fa, name, None)
-    got = tuple(inspect.signature(fn).parameters) if fn is not None else None
-    if got != want:
-      return (f"jax {jax.__version__} changed its private cuDNN attention entry point {name} "
-              f"(jax._src.cudnn.fused_attention_stablehlo), which the FP8 core binds; attnlayers supports jax 0.10-0.12")
+    primitive, impl, abstract = _rules(name)
+    if primitive is None or getattr(primitive, "impl", None) is not impl or impl is None or abstract is None:
+      return (f"jax {jax.__version__} changed its private cuDNN attention primitive {name} (its impl or abstract "
+              "rule moved), which the FP8 core binds; attnlayers supports jax 0.10-0.12")
+    for fn in (impl, abstract):
+      got = tuple(inspect.signature(fn).parameters)
+      if got != want:
+        return (f"jax {jax.__version__} changed the arguments of {fn.__name__}, which {name} runs and the FP8 core "
+                f"binds positionally: {got} instead of {want}; attnlayers supports jax 0.10-0.12")
   return None
 
 
@@ -134,9 +150,9 @@ attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def unmet(T: int, S: int, H: int, cc, cudnn_version) -> list[str]:
-  """Why the FP8 core cannot take a call (the te-fp8 backend then runs its core in bf16)."""
+  """Why cuDNN's FP8 attention cannot take a call (te-fp8 then refuses it, or runs bf16 if told to)."""
   reasons = []
-  if cc is None or cc < (9, 0) or cc[0] == 12:
+  if cc is None or cc < MIN_CC or cc[0] == 12:
     have = "no CUDA GPU" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
     reasons.append(f"cuDNN FP8 attention needs compute capability 9.x or 10.x; {have}")
   if cudnn_version is None or cudnn_version < 90100 or 91000 <= cudnn_version < 91100:

@@ -2,38 +2,57 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
+from attnlayers import device as device_lib
 from attnlayers.spec import Call
 
 HALF = (np.dtype("float16"), np.dtype("bfloat16"))
 
 
-def nvidia_gpu(call: Call, min_cc: tuple[int, int], what: str) -> list[str]:
-  dev = call.device
+def nvidia_gpu(dev: device_lib.DeviceInfo, min_cc: tuple[int, int], what: str) -> list[str]:
   if not dev.is_cuda:
     return [f"{what} needs an NVIDIA GPU with compute capability >= {min_cc[0]}.{min_cc[1]}; "
-            f"jax's default device is {dev.describe()} (use backend='xla' or 'naive' here)"]
+            f"the call's device is {dev.describe()} (use backend='xla' or 'naive' there)"]
   if dev.compute_capability < min_cc:
     cc = dev.compute_capability
     return [f"{what} needs compute capability >= {min_cc[0]}.{min_cc[1]}; {dev.device_kind} has {cc[0]}.{cc[1]}"]
   return []
 
 
+def transformer_engine(what: str) -> list[str]:
+  if device_lib.has_module("transformer_engine"):
+    return []
+  return [f"TransformerEngine is not installed: pip install 'attnlayers[te]' (transformer-engine[jax], needs CUDA "
+          f"and a GPU to build); {what} runs on it"]
+
+
 def half_precision(call: Call, what: str) -> list[str]:
   if call.dtype in HALF:
     return []
+  if np.issubdtype(call.dtype, np.complexfloating):
+    return [f"{what} takes no complex inputs (got {call.dtype.name}); use backend='naive'"]
   return [f"{what} needs float16 or bfloat16 q/k/v; got {call.dtype.name} "
           "(cast the inputs, e.g. the layer's dtype=jnp.bfloat16, or use backend='xla' for float32)"]
 
 
-def fused_only(call: Call, name: str) -> list[str]:
-  """A fused kernel never materialises the weights, so it cannot return, drop out or re-precision them."""
+def is_default_precision(precision) -> bool:
+  if precision is None:
+    return True
+  values = precision if isinstance(precision, tuple) else (precision,)
+  return all(p is None or jax.lax.Precision(p) == jax.lax.Precision.DEFAULT for p in values)
+
+
+def fused_only(call: Call, name: str, *, exact_half_products: bool) -> list[str]:
+  """A fused kernel never materialises the weights, so it cannot return or drop them out; it applies a
+  matmul precision only where its inputs are fp16/bf16, whose products it accumulates exactly in float32."""
   reasons = []
   if call.return_weights:
     reasons.append(f"{name} never materialises the attention weights, so it cannot return or sow them; only 'naive' can")
   if call.dropout:
     reasons.append(f"{name} has no dropout on the attention weights; only 'naive' applies it")
-  if call.precision is not None:
-    reasons.append(f"{name} accumulates in float32 and takes no precision= ({call.precision}); only 'naive' honours it")
+  if not is_default_precision(call.precision) and not (exact_half_products and call.dtype in HALF):
+    reasons.append(f"{name} cannot apply precision={call.precision} to {call.dtype.name} attention matmuls; "
+                   "only 'naive' honours it (or leave precision=None)")
   return reasons

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from attnlayers.backends import _reasons
-from attnlayers.spec import Call
+from attnlayers.spec import Call, Options
 
 NAME = "cudnn"
 SUMMARY = "jax.nn.dot_product_attention(implementation='cudnn'); flash attention, GPU, fp16/bf16"
@@ -25,17 +25,18 @@ def max_head_dim(call: Call) -> int:
 
 
 def unmet(call: Call) -> list[str]:
-  reasons = _reasons.nvidia_gpu(call, MIN_CC, "cuDNN fused attention")
+  reasons = _reasons.nvidia_gpu(call.device, MIN_CC, "cuDNN fused attention")
   if call.device.is_cuda and call.device.cudnn_version is None:
     reasons.append("cuDNN is not loaded by jax on this machine (install jax[cuda12] or jax[cuda13])")
   reasons += _reasons.half_precision(call, "cuDNN fused attention")
   h_max = max_head_dim(call)
   if call.H % 8 or call.H > h_max:
-    reasons.append(f"cuDNN needs a head dim that is a multiple of 8 and <= {h_max} on this GPU; got H={call.H}")
+    where = f"on {call.device.describe()}" if call.device.is_cuda else "(256 from compute capability 9.0)"
+    reasons.append(f"cuDNN needs a head dim that is a multiple of 8 and <= {h_max} {where}; got H={call.H}")
   has_bias = call.mask_shape is not None or call.bias_shape is not None
   if has_bias and (call.T % 2 or call.S % 2):
     reasons.append(f"cuDNN with a mask or bias needs even T and S (its backward pass requires it); got T={call.T}, S={call.S}")
-  return reasons + _reasons.fused_only(call, NAME)
+  return reasons + _reasons.fused_only(call, NAME, exact_half_products=True)
 
 
 def _full_ts(x, T: int, S: int):
@@ -44,9 +45,9 @@ def _full_ts(x, T: int, S: int):
   return jnp.broadcast_to(x, x.shape[:2] + (T, S))
 
 
-def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None):
+def run(q, k, v, opts: Options):
   T, S = q.shape[1], k.shape[1]
-  mask = None if mask is None else _full_ts(mask, T, S)
-  bias = None if bias is None else _full_ts(bias, T, S).astype(q.dtype)
-  return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
-                                      is_causal=is_causal, implementation="cudnn")
+  mask = None if opts.mask is None else _full_ts(opts.mask, T, S)
+  bias = None if opts.bias is None else _full_ts(opts.bias, T, S).astype(q.dtype)
+  return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=opts.scale,
+                                      is_causal=opts.is_causal, implementation="cudnn")

@@ -3,7 +3,8 @@
 scores = q k^T (float32 accumulation) -> scale -> bias -> mask -> float32 softmax ->
 weights (cast to the input dtype) -> dropout -> weights v. It materialises the
 (B, N, T, S) weights, so it is the one backend that can return them, apply dropout
-to them, or honour a matmul `precision`.
+to them, or honour a matmul `precision`. Complex q/k/v give complex64 scores (float32
+parts) whose softmax is jax.nn.softmax of the complex values, as in Flax's attention.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attnlayers.spec import Call, Dropout
+from attnlayers.spec import Call, Options
 
 NAME = "naive"
 SUMMARY = "hand-written einsum/softmax; materialises (B, N, T, S) weights; the reference"
+MIN_CC = None  # runs on any device jax runs on
 
 
 def unmet(call: Call) -> list[str]:
@@ -30,14 +32,16 @@ def allowed(T: int, S: int, *, is_causal: bool, mask):
   return keep
 
 
-def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None,
-        dropout: Dropout | None = None, precision=None, return_weights: bool = False):
+def run(q, k, v, opts: Options):
+  scale, is_causal, mask, bias = opts.scale, opts.is_causal, opts.mask, opts.bias
+  dropout, precision = opts.dropout, opts.precision
   B, T, N, H = q.shape
   _, S, K, _ = k.shape
   G = N // K  # query heads per kv head; query head n uses kv head n // G
   qg = q.reshape(B, T, K, G, H)  # (B, T, K, G, H)
+  acc = jnp.complex64 if jnp.iscomplexobj(q) else jnp.float32
   scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, precision=precision,
-                      preferred_element_type=jnp.float32)  # (B, K, G, T, S)
+                      preferred_element_type=acc)  # (B, K, G, T, S)
   scores = scores.reshape(B, N, T, S) * jnp.float32(scale)  # (B, N, T, S)
   if bias is not None:
     scores = scores + bias.astype(jnp.float32)
@@ -53,4 +57,4 @@ def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None,
     used = weights * (keep_mask.astype(q.dtype) / jnp.asarray(keep_prob, dtype=q.dtype))
   out = jnp.einsum("bkgts,bskh->btkgh", used.reshape(B, K, G, T, S), v,
                    precision=precision).reshape(B, T, N, H)  # (B, T, N, H)
-  return (out, weights) if return_weights else out
+  return (out, weights) if opts.return_weights else out

@@ -14,20 +14,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from attnlayers import device as device_lib
 from attnlayers.backends import _reasons
-from attnlayers.spec import Call
+from attnlayers.spec import Call, Options
 
 NAME = "te"
 SUMMARY = "TransformerEngine fused attention (transformer_engine.jax); GPU, fp16/bf16"
-INSTALL = "pip install 'attnlayers[te]' (transformer-engine[jax], needs CUDA and a GPU to build)"
-
-
-def te_requirements(call: Call, min_cc: tuple[int, int], what: str) -> list[str]:
-  reasons = _reasons.nvidia_gpu(call, min_cc, what)
-  if not device_lib.has_module("transformer_engine"):
-    reasons.append(f"TransformerEngine is not installed: {INSTALL}")
-  return reasons + _reasons.half_precision(call, what)
+MIN_CC = (8, 0)  # TE's fused attention (cuDNN flash) from Ampere on
 
 
 def _te():
@@ -62,9 +54,11 @@ def _bias_dims(call: Call) -> dict:
   return dict(bias_batch=batch, bias_heads=call.N, bias_seqlen_q=call.T, bias_seqlen_kv=call.S)
 
 
-def unmet(call: Call) -> list[str]:
-  reasons = te_requirements(call, (8, 0), "TransformerEngine fused attention")
-  reasons += _reasons.fused_only(call, NAME)
+def unmet(call: Call, name: str = NAME) -> list[str]:
+  """Why TE's bf16/fp16 fused kernel cannot take the call (te-fp8 asks too, for its bf16 core)."""
+  what = "TransformerEngine fused attention"
+  reasons = _reasons.nvidia_gpu(call.device, MIN_CC, what) + _reasons.transformer_engine(what)
+  reasons += _reasons.half_precision(call, what) + _reasons.fused_only(call, name, exact_half_products=True)
   if reasons:
     return reasons
   te = _te()
@@ -80,11 +74,12 @@ def unmet(call: Call) -> list[str]:
   return reasons
 
 
-def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None):
+def run(q, k, v, opts: Options):
   te = _te()
   (B, T, N, _), S = q.shape, k.shape[1]
+  scale, is_causal = opts.scale, opts.is_causal
   lengths = te.SequenceDescriptor.from_seqlens((jnp.full((B,), T, jnp.int32), jnp.full((B,), S, jnp.int32)))
-  bias = _as_bias(mask, bias, N, T, S, q.dtype)  # (1|B, N, T, S) or None
+  bias = _as_bias(opts.mask, opts.bias, N, T, S, q.dtype)  # (1|B, N, T, S) or None
   return te.fused_attn(
       (q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, bias is not None),
       attn_mask_type=_mask_type(te, is_causal), qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD,

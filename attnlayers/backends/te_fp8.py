@@ -1,50 +1,71 @@
 """TransformerEngine with FP8: FP8 projections (in the layers) and an FP8 attention core.
 
-The core: where cuDNN's FP8 flash attention takes the call (head dim 128, T and S multiples
-of 128, compute capability 9.x/10.x, no mask or bias; see _fp8_core), q/k/v are quantised to
-E4M3 with per-tensor scales and the forward runs in FP8, the backward in bf16 from the FP8
-forward's statistics. Where it does not, the core runs TransformerEngine's bf16 fused
-attention (the `te` kernel) and `explain()` names every reason. The projections are FP8
-GEMMs through TransformerEngine with its scaling recipes, in attnlayers.fp8, used by the
-NNX layer when backend="te-fp8".
+The core runs as `Options.fp8_core` says (spec.FP8_CORE_MODES). "fp8", the default: cuDNN's
+FP8 flash attention (head dim 128, T and S multiples of 128, compute capability 9.x/10.x, no
+mask or bias; see _fp8_core) with q/k/v quantised to E4M3 with per-tensor scales, the forward
+in FP8 and the backward in bf16 from the FP8 forward's statistics; a call it cannot take is
+refused with every reason, never run another way. "fp8-or-bf16": the same where the call
+qualifies, else TransformerEngine's bf16 fused attention (the `te` kernel), and explain()
+names which and why. "bf16": always the `te` kernel. The projections are FP8 GEMMs through
+TransformerEngine with its scaling recipes, in attnlayers.fp8, used by the NNX layer.
 
-Requirements are read from compute capability and library versions, never GPU names.
+Every requirement of te-fp8 is checked here (`requirements`), by unmet() for the core and by
+attnlayers.fp8 for the projections. Requirements are read from compute capability and
+library versions, never GPU names.
 """
 
 from __future__ import annotations
 
-from attnlayers import spec
-from attnlayers.backends import _fp8_core, te
-from attnlayers.spec import Call
+from attnlayers import device as device_lib
+from attnlayers.backends import _fp8_core, _reasons, te
+from attnlayers.spec import Call, Options
 
 NAME = "te-fp8"
 SUMMARY = "TransformerEngine FP8 GEMMs for the projections + cuDNN FP8 attention core; compute capability >= 8.9"
-MIN_CC = (8, 9)  # FP8 tensor cores (Ada); the FP8 attention core itself needs 9.0
+MIN_CC = (8, 9)  # FP8 tensor cores (Ada); the FP8 attention core itself needs _fp8_core.MIN_CC
+
+
+def requirements(dev: device_lib.DeviceInfo) -> list[str]:
+  """What te-fp8 needs of the machine at all (FP8 GEMMs through TransformerEngine)."""
+  return _reasons.nvidia_gpu(dev, MIN_CC, "te-fp8 (FP8 GEMMs)") + _reasons.transformer_engine("te-fp8")
 
 
 def fp8_core_unmet(call: Call) -> list[str]:
-  """Why this call's core cannot run in FP8 (then it runs bf16 TE fused attention)."""
+  """Why cuDNN's FP8 attention cannot take this call's core."""
   reasons = _fp8_core.unmet(call.T, call.S, call.H, call.device.compute_capability, call.device.cudnn_version)
   if call.mask_shape is not None or call.bias_shape is not None:
     reasons.append("cuDNN FP8 attention takes no mask or bias (only causal or none)")
+  if not _reasons.is_default_precision(call.precision):
+    reasons.append(f"the FP8 core quantises q, k, v and P to E4M3, so it cannot apply precision={call.precision}")
   return reasons
 
 
+def _runs_fp8(call: Call) -> bool:
+  return call.fp8_core == "fp8" or (call.fp8_core == "fp8-or-bf16" and not fp8_core_unmet(call))
+
+
 def unmet(call: Call) -> list[str]:
-  reasons = te.te_requirements(call, MIN_CC, "FP8 attention")
-  return reasons or te.unmet(call)  # the bf16 TE kernel must be able to run the core when FP8 cannot
+  reasons = requirements(call.device) + _reasons.half_precision(call, "te-fp8")
+  if reasons:
+    return reasons
+  if call.fp8_core == "fp8" and (why := fp8_core_unmet(call)):
+    return [f"te-fp8's FP8 attention core (fp8_core='fp8') cannot take this call: {r}" for r in why] + [
+        "pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use backend='te'"]
+  return [] if _runs_fp8(call) else te.unmet(call, NAME)
 
 
 def notes(call: Call) -> list[str]:
   """How a runnable call runs: FP8 core, or bf16 core and why."""
-  why = fp8_core_unmet(call)
-  if not why:
+  if _runs_fp8(call):
     return ["core: cuDNN FP8 flash attention forward (E4M3, per-tensor scales), bf16 flash backward"]
-  return ["core: TransformerEngine bf16 fused attention, because " + "; ".join(why)]
+  if call.fp8_core == "bf16":
+    return ["core: TransformerEngine bf16 fused attention, because fp8_core='bf16'"]
+  return ["core: TransformerEngine bf16 fused attention (fp8_core='fp8-or-bf16'), because "
+          + "; ".join(fp8_core_unmet(call))]
 
 
-def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None):
-  call = spec.describe(q, k, v, is_causal=is_causal, mask=mask, bias=bias)
-  if fp8_core_unmet(call):
-    return te.run(q, k, v, scale=scale, is_causal=is_causal, mask=mask, bias=bias)
-  return _fp8_core.attention(q, k, v, scale, is_causal)
+def run(q, k, v, opts: Options):
+  from attnlayers import spec  # the call is described again only to pick the core
+  if _runs_fp8(spec.describe(q, k, v, opts)):
+    return _fp8_core.attention(q, k, v, opts.scale, opts.is_causal)
+  return te.run(q, k, v, opts)

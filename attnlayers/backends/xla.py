@@ -1,6 +1,6 @@
 """XLA's own attention: `jax.nn.dot_product_attention(implementation="xla")`.
 
-Runs on every platform and dtype; on a GPU, XLA fuses what it can but still builds
+Runs on every platform and float dtype; on a GPU, XLA fuses what it can but still builds
 the (B, N, T, S) scores in memory.
 """
 
@@ -9,16 +9,21 @@ from __future__ import annotations
 import jax
 
 from attnlayers.backends import _reasons
-from attnlayers.spec import Call
+from attnlayers.spec import Call, Options
 
 NAME = "xla"
 SUMMARY = "jax.nn.dot_product_attention(implementation='xla'); any platform, any float dtype"
+MIN_CC = None  # runs on any device jax runs on
 
 
 def unmet(call: Call) -> list[str]:
-  return _reasons.fused_only(call, NAME)
+  reasons = _reasons.fused_only(call, NAME, exact_half_products=True)
+  if call.dtype.kind == "c":  # jax casts the scores to float32 before its softmax
+    reasons.append(f"jax's XLA attention drops the imaginary part of the scores before its softmax, so it "
+                   f"cannot run {call.dtype.name} q/k/v; 'naive' runs complex attention as Flax does")
+  return reasons
 
 
-def run(q, k, v, *, scale: float, is_causal: bool = False, mask=None, bias=None):
-  return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
-                                      is_causal=is_causal, implementation="xla")
+def run(q, k, v, opts: Options):
+  return jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=opts.mask, scale=opts.scale,
+                                      is_causal=opts.is_causal, implementation="xla")

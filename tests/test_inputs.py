@@ -1,0 +1,135 @@
+"""Bad `attention()` / layer inputs raise one named error; the backend contract's option rules."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import attnlayers
+from attnlayers.backends import _fp8_core
+from attnlayers.nnx import MultiHeadAttention
+
+q = jax.random.normal(jax.random.key(0), (2, 8, 4, 16))  # (B, T, N, H)
+kv = jax.random.normal(jax.random.key(1), (2, 8, 2, 16))  # (B, S, K, H)
+
+
+@pytest.mark.parametrize("scale, error, message", [
+    (float("nan"), ValueError, "scale must be a finite number > 0"),
+    (float("inf"), ValueError, "scale must be a finite number > 0"),
+    (-1.0, ValueError, "scale must be a finite number > 0"),
+    ("0.5", TypeError, "scale must be a real number"),
+])
+def test_bad_scale(scale, error, message):
+  with pytest.raises(error, match=message):
+    attnlayers.attention(q, kv, kv, scale=scale)
+
+
+def test_traced_scale_says_it_is_static():
+  with pytest.raises(TypeError, match="scale must be a Python number known when the call is traced"):
+    jax.jit(lambda s: attnlayers.attention(q, kv, kv, scale=s))(0.5)
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_is_causal_must_be_bool(value):
+  with pytest.raises(TypeError, match="is_causal must be True or False"):
+    attnlayers.attention(q, kv, kv, is_causal=value)
+
+
+def test_numpy_bool_is_causal_is_accepted():
+  np.testing.assert_array_equal(attnlayers.attention(q, kv, kv, is_causal=np.bool_(True)),
+                                attnlayers.attention(q, kv, kv, is_causal=True))
+
+
+@pytest.mark.parametrize("shape_q, shape_kv, named", [
+    ((2, 8, 4, 0), (2, 8, 2, 0), "H=0"), ((2, 8, 4, 16), (2, 0, 2, 16), "S=0"), ((2, 8, 4, 16), (2, 8, 0, 16), "K=0"),
+])
+def test_zero_sized_dims(shape_q, shape_kv, named):
+  with pytest.raises(ValueError, match=f"must have no zero-sized dim; got .*{named}"):
+    attnlayers.attention(jnp.zeros(shape_q), jnp.zeros(shape_kv), jnp.zeros(shape_kv))
+
+
+def test_python_list_is_named():
+  with pytest.raises(TypeError, match=r"q must be an array .*got list. Wrap it with jnp.asarray"):
+    attnlayers.attention(np.zeros((2, 8, 4, 16)).tolist(), kv, kv)
+
+
+@pytest.mark.parametrize("kv_heads", [0, -2])
+def test_layer_kv_heads_must_be_positive(kv_heads):
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    MultiHeadAttention(4, 64, num_kv_heads=kv_heads, decode=False, rngs=nnx.Rngs(0))
+
+
+def test_additive_float_mask_is_refused_with_a_pointer_to_bias():
+  layer = MultiHeadAttention(4, 64, decode=False, backend="xla", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(2), (2, 8, 64))
+  additive = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), 0.0, -jnp.inf)  # PyTorch-style
+  with pytest.raises(ValueError, match="bias="):
+    layer(x, mask=additive)
+  flax_style = jnp.tril(jnp.ones((8, 8), jnp.float32))  # 0/1 float masks keep working
+  np.testing.assert_array_equal(layer(x, mask=flax_style), layer(x, is_causal=True))
+
+
+def test_fp8_core_mode_is_checked():
+  with pytest.raises(ValueError, match="fp8_core must be one of 'fp8', 'fp8-or-bf16', 'bf16'"):
+    attnlayers.attention(q, kv, kv, backend="te-fp8", fp8_core="maybe")
+
+
+def test_precision_is_honoured_or_refused_never_dropped():
+  highest = jax.lax.Precision.HIGHEST
+  plan = attnlayers.explain("xla", q, kv, kv, precision=highest)  # float32: xla cannot apply it
+  assert not plan.ok and "cannot apply precision=" in str(plan)
+  assert attnlayers.explain("auto", q, kv, kv, precision=highest).chosen == "naive"
+  assert attnlayers.explain("xla", q, kv, kv, precision=jax.lax.Precision.DEFAULT).ok
+  half = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
+  assert attnlayers.explain("xla", *half, precision=highest).ok  # bf16 products are exact at any precision
+  layer = MultiHeadAttention(4, 64, decode=False, backend="xla", precision=highest, rngs=nnx.Rngs(0))
+  with pytest.raises(attnlayers.BackendUnavailableError, match="cannot apply precision"):
+    layer(jnp.ones((1, 8, 64)))  # the layer's precision reaches the core
+
+
+def test_every_backend_has_a_named_minimum_compute_capability():
+  from attnlayers import backends
+  assert {n: b.min_cc for n, b in backends.REGISTRY.items()} == {
+      "naive": None, "xla": None, "cudnn": (8, 0), "te": (8, 0), "te-fp8": (8, 9)}
+
+
+def test_fp8_guard_checks_the_functions_the_primitives_run(monkeypatch):
+  _fp8_core.api_problem.cache_clear()
+  assert _fp8_core.api_problem() is None  # this jax has them as we bind them
+  fa = _fp8_core._fa
+  impl = fa._dot_product_attention_fp8_fwd_p_wrapper.impl
+  params = list(inspect.signature(impl).parameters.values())
+  swapped = params[:]
+  swapped[3], swapped[4] = swapped[4], swapped[3]  # descale_q <-> descale_k: same shapes, wrong meaning
+  fake = lambda *a, **k: None
+  fake.__signature__ = inspect.Signature(swapped)
+  fake.__name__ = impl.__name__
+  monkeypatch.setattr(fa._dot_product_attention_fp8_fwd_p_wrapper, "impl", fake)
+  monkeypatch.setattr(fa, "_dot_product_attention_fp8_fwd_impl", fake)
+  _fp8_core.api_problem.cache_clear()
+  try:
+    problem = _fp8_core.api_problem()
+  finally:
+    monkeypatch.undo()
+    _fp8_core.api_problem.cache_clear()
+  assert problem and "binds positionally" in problem and "descale_k" in problem, problem
+
+
+def test_traced_float_mask_with_other_values_poisons_the_output():
+  layer = MultiHeadAttention(4, 64, decode=False, backend="xla", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(2), (2, 8, 64))
+  run = nnx.jit(lambda layer, x, mask: layer(x, mask=mask))
+  additive = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), 0.0, -jnp.inf)
+  assert bool(jnp.all(jnp.isnan(run(layer, x, additive))))  # cannot raise under jit: never silently inverted
+  binary = jnp.tril(jnp.ones((8, 8), jnp.float32))
+  np.testing.assert_allclose(run(layer, x, binary), layer(x, is_causal=True), rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_unavailable_is_a_backend_unavailable_error():
+  from attnlayers.fp8 import FP8Unavailable
+  err = FP8Unavailable(["no GPU here"])
+  assert isinstance(err, attnlayers.BackendUnavailableError)
+  assert err.backend == "te-fp8" and err.reasons == ("no GPU here",) and "no GPU here" in str(err)
