@@ -2,7 +2,9 @@
 
 Compile first, warm up, then time each call to completion with jax.block_until_ready;
 report the median with p10/p90. Absolute times drift between runs and machines, so
-results are also given as a ratio to an 8192^3 bf16 matmul timed in the same process.
+results are also given as a ratio to an 8192^3 bf16 matmul timed in the same process
+(benchmarks.train times it in its parent process, after the training runs). FLOP counts
+and their convention: benchmarks.flops.
 """
 
 from __future__ import annotations
@@ -73,14 +75,27 @@ def environment() -> dict:
 def forward_backward(f, args: tuple):
   """(fn, args) timing f's forward and backward for every arg, with a random output cotangent.
 
-  A loss like sum(f(x)) would hand back a cotangent of ones, with which XLA turns some
-  backward matmuls into plain sums; a random cotangent (passed in, not baked into the
-  program) keeps every backward product a real one, as in training.
+  The program returns the forward output with the gradients, as a training step uses both:
+  returning the gradients alone would let XLA delete every forward product the backward does
+  not read (a linear layer's backward needs no forward output), so fewer FLOPs would run than
+  benchmarks.flops counts. A loss like sum(f(x)) would hand back a cotangent of ones, with
+  which XLA turns some backward matmuls into plain sums; a random cotangent (passed in, not
+  baked into the program) keeps every backward product a real one.
   """
   out = jax.eval_shape(f, *args)
   cotangent = jax.random.normal(jax.random.key(7), out.shape, jnp.float32).astype(out.dtype)
 
   def fwd_bwd(*a):
-    _, pullback = jax.vjp(f, *a[:-1])
-    return pullback(a[-1])
+    out, pullback = jax.vjp(f, *a[:-1])
+    return out, pullback(a[-1])
   return fwd_bwd, (*args, cotangent)
+
+
+def dense_peak(kind: str = "bf16") -> tuple[float | None, str]:
+  """(FLOP/s, name) of the device's datasheet dense peak for "bf16" or "fp8" programs (FP8 is twice
+  bf16 on the tensor cores that have it); None where the device is not in train.metrics' table."""
+  from train import metrics
+  bf16 = metrics.peak_flops()
+  if kind not in ("bf16", "fp8"):
+    raise ValueError(f"peak kind must be 'bf16' or 'fp8'; got {kind!r}")
+  return (bf16 and bf16 * (2 if kind == "fp8" else 1)), f"{kind}"

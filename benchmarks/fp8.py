@@ -9,7 +9,9 @@ scaling) vs cudnn, forward and forward+backward, plus the four projection GEMMs 
 bf16 and in FP8, which is where most of a layer's FLOPs are.
 
 Every figure is a median of >= 20 calls after compilation and warm-up (benchmarks.common);
-ratios are within this one run. Writes fp8.json and fp8.md to --out.
+ratios are within this one run. Rates count the FLOPs the math needs (benchmarks.flops);
+each row says which dense peak bounds it (FP8 rows may pass the bf16 matmul, not the FP8
+peak). Writes fp8.json and fp8.md to --out.
 """
 
 from __future__ import annotations
@@ -25,79 +27,107 @@ import attnlayers
 from attnlayers.backends import _fp8_core
 from attnlayers.fp8 import FP8Meta, FP8Recipe, TEFp8DotGeneral
 from attnlayers.nnx import MultiHeadAttention
-from benchmarks import common, report
+from benchmarks import common, flops, report
 
 BF16 = jnp.bfloat16
 
 
 def core_programs(B, T, N, H, causal):
-  """name -> (pass, fn, args, flops)."""
+  """name -> (pass, fn, args, flops, peak kind)."""
   kq, kk, kv, kd = jax.random.split(jax.random.key(0), 4)
   q, k, v, do = (jax.random.normal(key, (B, T, N, H), BF16) for key in (kq, kk, kv, kd))  # (B, T, N, H)
   scale = H ** -0.5
-  fwd_flops = 4 * B * N * T * T * H * (0.5 if causal else 1.0)
+  count = lambda pass_: flops.attention(B, T, T, N, H, causal=causal, pass_=pass_)
   out = {}
   for backend in ("cudnn", "te", "te-fp8"):
     f = lambda q, k, v, b=backend: attnlayers.attention(q, k, v, backend=b, is_causal=causal)
-    out[f"{backend} core"] = ("fwd", f, (q, k, v), fwd_flops)
-    out[f"{backend} core "] = ("fwd+bwd", *common.forward_backward(f, (q, k, v)), 3.5 * fwd_flops)
+    kind = "fp8" if backend == "te-fp8" else "bf16"
+    out[f"{backend} core"] = ("fwd", f, (q, k, v), count("fwd"), kind)
+    out[f"{backend} core "] = ("fwd+bwd", *common.forward_backward(f, (q, k, v)), count("fwd+bwd"), kind)
   quantize = lambda q, k, v, o8: ([_fp8_core._quantize(x) for x in (q, k, v)], o8.astype(BF16) * 0.5)
   q8, k8, v8, do8 = (x.astype(_fp8_core.E4M3) for x in (q, k, v, do))
-  out["te-fp8's scaling alone: amax + quantise q, k, v; dequantise O"] = ("fwd", quantize, (q, k, v, q8), 0.0)
+  out["te-fp8's scaling alone: amax + quantise q, k, v; dequantise O"] = ("fwd", quantize, (q, k, v, q8), 0.0, "fp8")
   ones = (1.0, 1.0, 1.0)
   raw = lambda training: (lambda q8, k8, v8: _fp8_core.fp8_forward(
       q8, k8, v8, ones, 1.0, scale=scale, is_causal=causal, training=training)[0])
-  out["fp8 kernel, inference fwd"] = ("fwd", raw(False), (q8, k8, v8), fwd_flops)
-  out["fp8 kernel, training fwd"] = ("fwd", raw(True), (q8, k8, v8), fwd_flops)
+  out["fp8 kernel, inference fwd"] = ("fwd", raw(False), (q8, k8, v8), count("fwd"), "fp8")
+  out["fp8 kernel, training fwd"] = ("fwd", raw(True), (q8, k8, v8), count("fwd"), "fp8")
   # backward kernels alone, from one forward's saved outputs and statistics
   o8, _, _, stats = jax.jit(lambda *a: _fp8_core.fp8_forward(*a, ones, 1.0, scale=scale, is_causal=causal,
                                                              training=True))(q8, k8, v8)
   o = o8.astype(BF16)
   out["fp8 kernel, bwd"] = ("bwd", lambda *a: _fp8_core.fp8_backward(*a, scale=scale, is_causal=causal),
-                            (q8, k8, v8, o8, do8, stats), 2.5 * fwd_flops)
+                            (q8, k8, v8, o8, do8, stats), count("bwd"), "fp8")
   out["bf16 kernel, bwd (te-fp8's)"] = ("bwd", lambda *a: _fp8_core.bf16_backward(*a, scale=scale, is_causal=causal),
-                                        (q, k, v, stats, o, do), 2.5 * fwd_flops)
+                                        (q, k, v, stats, o, do), count("bwd"), "bf16")
   return out
 
 
-def layer_programs(B, T, D, N, causal):
-  x = jax.random.normal(jax.random.key(1), (B, T, D), BF16)
+def layer_flops(B, T, D, N, causal, pass_):
   H = D // N
-  core = 4 * B * N * T * T * H * (0.5 if causal else 1.0)
-  proj = 4 * 2 * B * T * D * D
+  return flops.attention(B, T, T, N, H, causal=causal, pass_=pass_) + flops.projections(B, T, D, N, N, H, pass_=pass_)
+
+
+def layer_program(B, T, D, N, causal, backend, recipe=None):
+  """(fn, args) of one nnx layer's forward, x (B, T, D) -> (B, T, D)."""
+  x = jax.random.normal(jax.random.key(1), (B, T, D), BF16)
+  layer = MultiHeadAttention(N, D, decode=False, backend=backend, is_causal=causal, dtype=BF16, fp8_recipe=recipe,
+                             rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(layer)
+  return (lambda s, x: nnx.merge(graphdef, s)(x)), (state, x)
+
+
+def projection_inputs(B, T, D):
+  """Four inputs (4, B, T, D) and four kernels (4, D, D): four products XLA cannot merge into one."""
+  xs = jax.random.normal(jax.random.key(3), (4, B, T, D), BF16)
+  return xs, jax.random.normal(jax.random.key(2), (4, D, D), BF16) / D**0.5
+
+
+def bf16_projections(xs, w):
+  return jnp.stack([jnp.einsum("btd,de->bte", xs[i], w[i]) for i in range(4)])  # (4, B, T, D)
+
+
+def layer_programs(B, T, D, N, causal):
+  """name -> (pass, fn, args, flops, peak kind)."""
   out = {}
   for name, backend, recipe in (("te", "te", None), ("cudnn", "cudnn", None), ("te-fp8 delayed", "te-fp8", FP8Recipe()),
                                 ("te-fp8 current", "te-fp8", FP8Recipe(kind="current"))):
-    layer = MultiHeadAttention(N, D, decode=False, backend=backend, is_causal=causal, dtype=BF16, fp8_recipe=recipe,
-                               rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(layer)
-    f = lambda s, x, g=graphdef: nnx.merge(g, s)(x)
-    out[f"{name} layer"] = ("fwd", f, (state, x), core + proj)
-    out[f"{name} layer "] = ("fwd+bwd", *common.forward_backward(f, (state, x)), 3.5 * core + 3 * proj)
-  # the four projection GEMMs alone: four inputs, so XLA cannot merge them into one product
-  xs = jax.random.normal(jax.random.key(3), (4, B, T, D), BF16)
-  w = jax.random.normal(jax.random.key(2), (4, D, D), BF16) / D**0.5
-  bf16_gemms = lambda xs, w: jnp.stack([jnp.einsum("btd,de->bte", xs[i], w[i]) for i in range(4)])
+    f, args = layer_program(B, T, D, N, causal, backend, recipe)
+    kind = "fp8" if backend == "te-fp8" else "bf16"
+    out[f"{name} layer"] = ("fwd", f, args, layer_flops(B, T, D, N, causal, "fwd"), kind)
+    out[f"{name} layer "] = ("fwd+bwd", *common.forward_backward(f, args), layer_flops(B, T, D, N, causal, "fwd+bwd"),
+                             kind)
+  xs, w = projection_inputs(B, T, D)
   graphdef, meta = nnx.split(nnx.List([TEFp8DotGeneral(FP8Recipe()) for _ in range(4)]), FP8Meta)
 
   def fp8_gemms(xs, w, meta):
     dots = nnx.merge(graphdef, meta)
     return jnp.stack([dots[i](xs[i], w[i], (((2,), (0,)), ((), ()))) for i in range(4)])
-  out["4 projections bf16"] = ("fwd+bwd", *common.forward_backward(bf16_gemms, (xs, w)), 3 * proj)
-  out["4 projections fp8 (TE, delayed)"] = ("fwd+bwd", *common.forward_backward(fp8_gemms, (xs, w, meta)), 3 * proj)
+  proj = flops.projections(B, T, D, N, N, D // N, pass_="fwd+bwd")
+  out["4 projections bf16"] = ("fwd+bwd", *common.forward_backward(bf16_projections, (xs, w)), proj, "bf16")
+  out["4 projections fp8 (TE, delayed)"] = ("fwd+bwd", *common.forward_backward(fp8_gemms, (xs, w, meta)), proj, "fp8")
   return out
+
+
+FLOPS_NOTE = ("`tflops` counts the FLOPs the math needs (benchmarks.flops: attention 4·B·N·T·S·H forward, halved "
+              "when causal, backward twice the forward; projections 2·M·K·N forward), a lower bound of what runs. "
+              "`vs_matmul`: that rate over an 8192³ bf16 matmul timed in the same process. `peak`: the dense "
+              "datasheet peak the row is checked against (a rate above it stops the benchmark); fp8 rows may pass "
+              "the bf16 matmul.")
 
 
 def measure(programs, matmul, calls, warmup) -> list[dict]:
   rows = []
-  for name, (pass_, fn, args, flops) in programs.items():
-    row = {"name": name.strip(), "pass": pass_}
+  for name, (pass_, fn, args, count, kind) in programs.items():
+    peak, peak_name = common.dense_peak(kind)
+    row = {"name": name.strip(), "pass": pass_, "peak": peak_name}
     try:
       t = common.time_fn(jax.jit(fn), *args, warmup=warmup, calls=calls)
     except Exception as e:  # noqa: BLE001 - a failing program is a row with its message
       rows.append(row | {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
       continue
-    tflops = flops / (t.median_ms * 1e-3) / 1e12 if flops else None  # None: memory-bound work, no FLOPs counted
+    # None: memory-bound work, no FLOPs counted; a rate above the peak raises
+    tflops = flops.check_rate(name.strip(), count, t.median_ms * 1e-3, peak, peak_name) / 1e12 if count else None
     rows.append(row | {"status": "ok", "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
                        "calls": t.calls, "tflops": tflops, "vs_matmul": tflops and tflops / matmul})
   return rows
@@ -115,7 +145,7 @@ def main(argv=None) -> None:
   p.add_argument("--layer", nargs=4, type=int, default=[4, 4096, 4096, 32], metavar=("B", "T", "D", "N"))
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--warmup", type=int, default=3)
-  p.add_argument("--out", default="benchmarks/results/h200")
+  p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   env = common.environment() | {"matmul_bf16_tflops": common.matmul_tflops()}
   print(env, flush=True)
@@ -136,9 +166,9 @@ def main(argv=None) -> None:
   env |= {"core_shape": dict(zip("BTNH", a.core)), "layer_shape": dict(zip("BTDN", a.layer)), "causal": True}
   os.makedirs(a.out, exist_ok=True)
   report.write_json(os.path.join(a.out, "fp8.json"), env | {"speedups": ratios}, rows)
-  cols = ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul"]
+  cols = ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul", "peak"]
   speed = "\n".join(f"| {k} | {v:.3f}x |" if v else f"| {k} | n/a |" for k, v in ratios.items())
-  md = (f"# FP8 benchmarks\n\n{env}\n\n" + report.markdown_table(rows, cols) +
+  md = (f"# FP8 benchmarks\n\n{env}\n\n{FLOPS_NOTE}\n\n" + report.markdown_table(rows, cols) +
         "\n\n| speed-up (same run, median time ratio) | |\n|---|---|\n" + speed + "\n")
   errors = [f"- {r['name']} ({r['pass']}): {r['reason']}" for r in rows if r["status"] != "ok"]
   md += "\n".join(errors) + ("\n" if errors else "")

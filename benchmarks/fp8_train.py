@@ -46,7 +46,7 @@ def main(argv=None) -> None:
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--log-every", type=int, default=10)
-  p.add_argument("--out", default="benchmarks/results/h200")
+  p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
   rows = run("te", a) + run("te-fp8", a)

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# Regenerates benchmarks/results/h200 (or $1) on one NVIDIA GPU with TransformerEngine installed.
-# Run from the repository root. Each step fits in 10 minutes on an H200; the published
-# results were made by running these steps one by one.
+# Regenerates the published results on one NVIDIA GPU with TransformerEngine installed.
+# Run from the repository root: `bash benchmarks/h200.sh [OUT] [PART]`. OUT defaults to
+# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, train, so that
+# each part fits in one 10-minute device command. `summary` (no GPU needed) then writes
+# benchmarks/RESULTS.md from OUT.
 set -euo pipefail
 OUT=${1:-benchmarks/results/h200}
-PARTS=$(mktemp -d)
-python -m benchmarks.train --seq-len 1024 8192 --batch-size 32 4 --steps 20 --run-timeout 90 --out "$OUT"
-python -m benchmarks.fp8 --out "$OUT"
-python -m benchmarks.fp8_train --out "$OUT"
-python -m benchmarks.wrapper --rounds 4 --out "$OUT"
-python -m benchmarks.layer --sections seq --levels core --seqs 256 1024 4096 16384 --out "$PARTS/seq"
-python -m benchmarks.layer --sections default --out "$PARTS/more-default"
-python -m benchmarks.layer --sections heads headdim --levels core --out "$PARTS/more"
-python -m benchmarks.layer --sections seq --levels layer --seqs 256 1024 4096 16384 --out "$PARTS/seq-layer"
-python -m benchmarks.layer --sections batch --levels core --batches 1 4 16 --out "$PARTS/batch"
-python -m benchmarks.layer --merge "$PARTS/more-default/layer.json" "$PARTS/more/layer.json" "$PARTS/seq/layer.json" \
-    "$PARTS/seq-layer/layer.json" "$PARTS/batch/layer.json" --out "$OUT"
-python -m benchmarks.summary "$OUT"
+PART=${2:-all}
+PARTS=${PARTS:-runs/h200-parts}  # per-part layer.json files, merged into OUT by the summary part
+mkdir -p "$OUT" "$PARTS"
+if [[ $PART == all || $PART == kernels ]]; then
+  python -m benchmarks.fp8 --out "$OUT"
+  python -m benchmarks.wrapper --rounds 3 --seqs 1024 16384 --out "$OUT"
+  python -m benchmarks.layer --sections default heads headdim --levels core --out "$PARTS/more"
+fi
+if [[ $PART == all || $PART == layer ]]; then
+  python -m benchmarks.layer --sections seq --levels core layer --seqs 256 1024 4096 16384 --out "$PARTS/seq"
+  python -m benchmarks.layer --sections batch --levels core --batches 1 4 16 --out "$PARTS/batch"
+fi
+if [[ $PART == all || $PART == train ]]; then
+  python -m benchmarks.train --seq-len 1024 8192 --batch-size 32 4 --steps 20 --run-timeout 90 --out "$OUT"
+  python -m benchmarks.fp8_train --out "$OUT"
+fi
+if [[ $PART == all || $PART == summary ]]; then
+  python -m benchmarks.layer --merge "$PARTS/more/layer.json" "$PARTS/seq/layer.json" "$PARTS/batch/layer.json" --out "$OUT"
+  python -m benchmarks.summary "$OUT"
+fi

@@ -6,7 +6,11 @@ import csv
 import json
 import os
 
-import matplotlib
+try:
+  import matplotlib
+except ModuleNotFoundError as e:  # an optional dependency: say which extra brings it
+  raise ModuleNotFoundError("the benchmarks write plots with matplotlib, which is not installed: "
+                            "pip install 'attnlayers[bench]'") from e
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402

@@ -31,15 +31,27 @@ def render(directory: str, rel: str, note: str | None = None) -> str:
   speedups = "\n".join(f"| {k} | {v:.4g}x |" if v else f"| {k} | n/a |" for k, v in fp8["environment"]["speedups"].items())
   oom = "\n".join(f"- {r['backend']} T={r['seq_len']}: {r['reason']}" for r in train["rows"] if r["status"] != "ok")
   img = lambda name: f"![{name}]({rel}/{name})"
+  over = [f"{r['section']} {r['level']} {r['backend']} T{r['T']} {r['pass']}" for r in rows
+          if r["status"] == "ok" and r["backend"] != "te-fp8" and r["vs_matmul"] > 1]
+  over += [f"fp8.md {r['name']} {r['pass']}" for r in fp8["rows"]
+           if r["status"] == "ok" and r.get("peak") == "bf16" and (r.get("vs_matmul") or 0) > 1]
+  above = ("No bf16 program ran above the same-run matmul's rate." if not over else
+           "bf16 programs above the same-run matmul's rate (check their FLOP count): " + "; ".join(over) + ".")
+  above += " FP8 rows (`peak` fp8) may: FP8 products run at up to twice bf16's dense peak."
   note = f"\n{note}\n" if note else ""
   return f"""# Benchmark results: one {env['device']}
 
 Made with jax {env['jax']}, flax {env['flax']}, Python {env['python']} on {env['devices']} x {env['device']}
 (cuDNN {env.get("cudnn", "not recorded")}, TransformerEngine {env.get("transformer_engine", "not recorded")}). Regenerate with
 `bash benchmarks/h200.sh`; this page with `python -m benchmarks.summary {directory}`.
-Every time is the median of 20 timed calls after compilation and warm-up; `vs_matmul` is
-the fraction of an 8192³ bf16 matmul's rate measured in the same process (each JSON file
-records its own). Full tables: [layer.md]({rel}/layer.md), [train.md]({rel}/train.md),
+Every time is the median of 20 timed calls after compilation and warm-up. Per-call
+`tflops` count the FLOPs the math needs (`benchmarks/flops.py`: attention 4·B·N·T·S·H
+forward, halved when causal, backward twice the forward; projections 2·M·K·N), a lower
+bound of what each backend executes; `vs_matmul` is that rate over an 8192³ bf16 matmul
+timed in the same process (each JSON file records its own). Training rows use nanoGPT's /
+PaLM's MFU count instead (the full attention square even for causal), and their matmul is
+timed by the benchmark's parent process after the runs. {above}
+Full tables: [layer.md]({rel}/layer.md), [train.md]({rel}/train.md),
 [fp8.md]({rel}/fp8.md), [fp8_train.md]({rel}/fp8_train.md), [wrapper.md]({rel}/wrapper.md);
 raw data in the JSON and CSV files beside them.
 {note}
@@ -89,14 +101,14 @@ median(ours) / median(raw) over alternating rounds of 20 calls.
 
 {img("train_T1024_tokens_per_s.png")} {img("train_T8192_tokens_per_s.png")}
 
-{report.markdown_table(train["rows"], ["backend", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s", "mfu",
+{report.markdown_table(train["rows"], ["backend", "fp8_core", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s", "mfu",
                                         "vs_matmul", "time_to_first_step_s", "peak_memory_gib", "final_loss"])}
 
 {oom}
 
 ## FP8 (`python -m benchmarks.fp8`; core {fp8["environment"]["core_shape"]}, layer {fp8["environment"]["layer_shape"]}, causal)
 
-{report.markdown_table(fp8["rows"], ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul"])}
+{report.markdown_table(fp8["rows"], ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul", "peak"])}
 
 | speed-up (same run, ratio of median times) | |
 |---|---|

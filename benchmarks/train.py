@@ -1,8 +1,14 @@
 """`python -m benchmarks.train`: short GPT training runs per attention backend, side by side.
 
-Each run is its own `python -m train` process. For each backend: steps/s, tokens/s, MFU, model FLOP/s as a fraction of an 8192^3 bf16
-matmul measured in the same process, time to first step, peak memory and the loss after
-the run. A backend that cannot run is a row with its reason.
+Each run is its own `python -m train` process. For each backend: steps/s, tokens/s, MFU
+(nanoGPT/PaLM's count, models.flops_per_token: the full T x T attention square even for
+causal, over the device's datasheet dense bf16 peak), the same model FLOP/s as a fraction
+of an 8192^3 bf16 matmul that this benchmark's parent process times right after the
+training runs (same machine and invocation; the GPU is free of the children by then), time
+to first step, peak memory and the loss after the run. te-fp8 runs with --fp8-core
+fp8-or-bf16, so a model whose head dim does not qualify for the FP8 core trains with FP8
+projections and a bf16 core (its row says so). A backend that cannot run is a row with its
+reason.
 """
 
 from __future__ import annotations
@@ -18,12 +24,21 @@ import models
 from benchmarks import common, report
 
 
+FP8_CORE = "fp8-or-bf16"  # te-fp8 rows: FP8 core where the model's head dim qualifies, else bf16
+COLUMN_NOTE = ("`mfu`: nanoGPT/PaLM model FLOPs (6N + 12·L·n_head·head_dim·T per token, full attention square "
+               "even for causal) over the datasheet dense bf16 peak. `vs_matmul`: the same model FLOP/s over an "
+               "8192³ bf16 matmul timed by this benchmark's parent process after the runs.")
+
+
 def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int, timeout_s: float) -> dict:
   """One `python -m train` process per run, so compilation caches and peak memory are its own."""
   row = {"backend": backend, "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "steps": steps}
   cmd = [sys.executable, "-m", "train", "--attn", backend, "--preset", preset, "--seq-len", str(seq_len),
          "--batch-size", str(batch_size), "--steps", str(steps), "--warmup", str(min(10, steps)),
          "--eval-every", "0", "--log-every", str(max(1, steps // 6)), "--sample-tokens", "0", "--no-progress"]
+  if backend == "te-fp8":
+    cmd += ["--fp8-core", FP8_CORE]
+    row["fp8_core"] = FP8_CORE
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                           timeout=timeout_s)
@@ -48,7 +63,7 @@ def _reasons(stderr: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  cols = ["backend", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s", "mfu", "vs_matmul",
+  cols = ["backend", "fp8_core", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s", "mfu", "vs_matmul",
           "time_to_first_step_s", "peak_memory_gib", "final_loss"]
   reasons = [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
   return report.markdown_table(rows, cols) + "\n" + "\n".join(reasons)
@@ -64,7 +79,7 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=40)
   p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
   p.add_argument("--matmul-n", type=int, default=8192, help="size of the same-run matmul yardstick (n^3)")
-  p.add_argument("--out", default="benchmarks/results", help="folder for train.json, .csv, .md and plots")
+  p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   if len(a.batch_size) not in (1, len(a.seq_len)):
     p.error(f"--batch-size takes one value or one per --seq-len ({len(a.seq_len)}); got {a.batch_size}")
@@ -91,7 +106,7 @@ def main(argv=None) -> None:
     report.bar_plot(os.path.join(a.out, name), sel, y="tokens_per_s", title=f"{a.preset}, T={seq_len}: tokens/s")
     plots.append(name)
   with open(os.path.join(a.out, "train.md"), "w") as f:
-    f.write(f"# Training benchmarks\n\n{env}\n\n" + table(rows) + "\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n")
+    f.write(f"# Training benchmarks\n\n{env}\n\n{COLUMN_NOTE}\n\n" + table(rows) + "\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n")
   print(table(rows))
 
 

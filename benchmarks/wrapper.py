@@ -83,7 +83,7 @@ def main(argv=None) -> None:
   p.add_argument("--shape", type=int, nargs=3, default=[2, 16, 128], metavar=("B", "N", "H"))
   p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds of --calls calls each")
   p.add_argument("--calls", type=int, default=20)
-  p.add_argument("--out", default="benchmarks/results/h200")
+  p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   B, N, H = a.shape
   rows = [measure(b, T, c, ps, N, H, B, a.rounds, a.calls) for b in a.backends for T in a.seqs
