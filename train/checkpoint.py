@@ -1,71 +1,198 @@
-"""Checkpoints with orbax: model + optimizer state + step + data position, resumable.
+"""Checkpoints with orbax: model + optimizer state + step + the settings that shape the run.
 
-Each checkpoint holds `state` (params and optimizer state), `meta` (step, the model's
-architecture fields, seed and data source) and, for te-fp8 runs, `fp8` (FP8 scaling state).
-A run may switch attention backend on resume: FP8 state is then dropped, or starts afresh. The batch of step s depends only on (seed, s),
-so the step is the data position. Saves are synchronous, so a checkpoint that exists is
-complete: a run killed mid-save resumes from the one before.
+Each step folder holds `state` (params and optimizer state), `meta` (step, the model's
+architecture fields, seed, data source and the run's trajectory settings) and, for te-fp8
+runs, `fp8` (FP8 scaling state), written by orbax, plus our manifest (train.stepdirs), which
+is what marks the folder as ours and lets a restore prove it intact. A run may switch
+attention backend on resume: FP8 state is then dropped, or starts afresh. The batch of step
+s depends only on (seed, s), so the step is the data position.
+
+orbax's CheckpointManager is not used: it takes every numeric folder for a step (it would
+rotate a user's folder `7` away, and skip saves below a foreign `700`), while orbax's
+Checkpointer writes exactly the folder it is given. A lock (train.lock) keeps a second
+trainer out of the folder.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from train import lock, stepdirs
 
 
 class ResumeMismatchError(ValueError):
   pass
 
 
+class CheckpointError(RuntimeError):
+  """A checkpoint folder this run cannot use or write; the message says what to do."""
+
+
+def _say(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _on_process_0(value: int) -> int:
+  """Process 0 inspects the folder; every process then acts on its answer."""
+  if jax.process_count() == 1:
+    return value
+  return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
+
+
 class Checkpoints:
   def __init__(self, directory: str, *, keep: int = 3):
+    """Creates `directory` if needed and locks it; raises CheckpointError or lock.LockedError."""
     self.directory = os.path.abspath(directory)
-    self.manager = ocp.CheckpointManager(
-        self.directory, item_names=("state", "meta", "fp8"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False, create=True))
+    self.keep = keep
+    self.last_good: int | None = None  # the newest step this run restored after verifying it, or saved
+    self.set_aside: list[str] = []  # damaged steps this run renamed, as their new paths
+    self.lock = lock.DirLock(self.directory)
+    if jax.process_index() == 0:
+      try:
+        os.makedirs(self.directory, exist_ok=True)
+        self.lock.acquire()
+        tempfile.TemporaryFile(dir=self.directory, prefix=".attnlayers-probe-").close()  # saving will work
+      except (FileExistsError, NotADirectoryError):
+        raise CheckpointError(f"--ckpt-dir {directory}: not a folder (a file is in the way)") from None
+      except OSError as e:
+        self.lock.release()
+        raise CheckpointError(f"--ckpt-dir {directory}: cannot write there ({e.strerror}: {e.filename})") from None
+      if self.lock.stale_holder:
+        _say(f"took over {self.lock.path} from a trainer that did not release it ({self.lock.stale_holder}; "
+             "no longer running)")
+      found = stepdirs.listing(self.directory)
+      stepdirs.remove_unfinished(self.directory, found.unfinished)
+      for step in found.foreign:
+        _say(f"{stepdirs.step_path(self.directory, step)} has no {stepdirs.MANIFEST}: not a checkpoint this "
+             "program wrote, so it is never restored nor deleted")
+    self.checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+        state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler(), fp8=ocp.StandardCheckpointHandler()))
 
-  def latest_step(self) -> int | None:
-    return self.manager.latest_step()
+  def listing(self) -> stepdirs.Listing:
+    return stepdirs.listing(self.directory)
 
   def save(self, step: int, state: dict, meta: dict) -> None:
+    """Saves `step`, seals it with a manifest, then deletes all but the newest `keep` of ours."""
+    if os.path.lexists(stepdirs.step_path(self.directory, step)):
+      raise CheckpointError(f"cannot save step {step}: {stepdirs.step_path(self.directory, step)} exists and "
+                            f"is not a checkpoint of this run; move it out of {self.directory}")
     items = dict(state=ocp.args.StandardSave({k: v for k, v in state.items() if k != "fp8"}),
                  meta=ocp.args.JsonSave(meta | {"step": step}))
     if state.get("fp8"):
       items["fp8"] = ocp.args.StandardSave(state["fp8"])
-    self.manager.save(step, args=ocp.args.Composite(**items))
+    self.checkpointer.save(stepdirs.saving_path(self.directory, step), args=ocp.args.Composite(**items), force=True)
+    if jax.process_index() == 0:
+      stepdirs.finish(self.directory, step)
+      stepdirs.rotate(self.directory, self.keep)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint step {step} sealed")
+    self.last_good = step
 
-  def restore(self, step: int, like, expected_meta: dict):
-    """(state, meta) of `step`; `like` gives the structure, shapes and shardings to restore into."""
-    meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    check_meta(self.directory, step, meta, expected_meta)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {k: v for k, v in like.items() if k != "fp8"})
-    state = dict(self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"])
+  def newest_intact(self) -> int | None:
+    """The newest step that verifies; damaged ones (and emptied folders) are set aside first."""
+    newest = -1
+    if jax.process_index() == 0:
+      found = self.listing()
+      for step in sorted(found.ours + found.empty, reverse=True):
+        folder = stepdirs.step_path(self.directory, step)
+        problem = stepdirs.problem(folder)
+        if problem is None:
+          newest = step
+          break
+        moved = stepdirs.set_aside(self.directory, step)
+        self.set_aside.append(moved)
+        _say(f"checkpoint step {step} is damaged: {problem}; set aside as {moved}")
+      if newest < 0 and self.set_aside:
+        _say(f"no checkpoint in {self.directory} verifies: the run starts from step 0")
+    newest = _on_process_0(newest)
+    return None if newest < 0 else newest
+
+  def check_resume(self, step: int, expected_meta: dict, allow_change=()) -> dict:
+    """The changes `allow_change` accepts (check_meta); ResumeMismatchError if step `step` is another run's."""
+    meta = self._restore_items(stepdirs.step_path(self.directory, step), meta=ocp.args.JsonRestore())["meta"]
+    return check_meta(self.directory, step, meta, expected_meta, allow_change)
+
+  def restore(self, step: int, like: dict) -> dict:
+    """The state saved at `step`; `like` gives its structure, shapes and shardings."""
+    path = stepdirs.step_path(self.directory, step)
+    plain = {k: v for k, v in like.items() if k != "fp8"}
+    self._check_shapes(path, step, plain)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, plain)
+    state = dict(self._restore_items(path, state=ocp.args.StandardRestore(abstract))["state"])
     if "fp8" in like:
       state["fp8"] = like["fp8"]
-      if like["fp8"] and os.path.isdir(os.path.join(self.directory, str(step), "fp8")):
+      if like["fp8"] and os.path.isdir(os.path.join(path, "fp8")):
         fp8 = jax.tree.map(ocp.utils.to_shape_dtype_struct, like["fp8"])
-        state["fp8"] = self.manager.restore(step, args=ocp.args.Composite(fp8=ocp.args.StandardRestore(fp8)))["fp8"]
+        state["fp8"] = self._restore_items(path, fp8=ocp.args.StandardRestore(fp8))["fp8"]
       elif like["fp8"]:
-        print(f"checkpoint step {step} has no FP8 scaling state (another backend wrote it): FP8 scaling starts afresh")
-    return state, meta
+        _say(f"checkpoint step {step} has no FP8 scaling state (another backend wrote it): FP8 scaling starts afresh")
+    self.last_good = step
+    return state
+
+  def _restore_items(self, path: str, **items) -> dict:
+    return _one_line(f"restore {', '.join(items)} from {path}",
+                     lambda: self.checkpointer.restore(path, args=ocp.args.Composite(**items)))
+
+  def _check_shapes(self, path: str, step: int, like: dict) -> None:
+    """One line naming the first array whose shape or dtype differs, instead of orbax's dump."""
+    saved = _one_line(f"read the array metadata in {path}",
+                      lambda: self.checkpointer.metadata(path).item_metadata["state"].tree)
+    saved = ocp.tree.to_flat_dict(saved)
+    want = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(jax.tree.map(ocp.utils.to_shape_dtype_struct, like),
+                                                         keep_empty_nodes=True))
+    describe = lambda x: f"{tuple(x.shape)} {np.dtype(x.dtype).name}" if hasattr(x, "shape") else "absent"
+    diffs = [".".join(map(str, k)) + f": checkpoint {describe(saved.get(k))}, now {describe(want.get(k))}"
+             for k in sorted(set(saved) | set(want), key=str) if describe(saved.get(k)) != describe(want.get(k))]
+    if diffs:
+      more = f" (and {len(diffs) - 1} more arrays differ)" if len(diffs) > 1 else ""
+      raise ResumeMismatchError(f"cannot resume from {self.directory} (step {step}): its arrays do not fit this "
+                                f"model: {diffs[0]}{more}")
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
-    self.manager.close()
+    self.checkpointer.close()
+    self.lock.release()
 
 
-def check_meta(directory: str, step: int, saved: dict, expected: dict) -> None:
-  """The architecture, seed and data must match, or the resumed run would not continue this one."""
-  diffs = []
-  for key in ("model", "seed", "data"):
+def _one_line(what: str, call):
+  """orbax's and tensorstore's errors run to hundreds of lines; this keeps the first."""
+  try:
+    return call()
+  except Exception as e:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    raise CheckpointError(f"cannot {what}: {type(e).__name__}: {first}") from None
+
+
+def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_change=()) -> dict:
+  """Refuses a resume that would not continue the saved run; returns the changes `allow_change` accepts.
+
+  Architecture, seed and data must match; the trajectory settings under "run" (learning
+  rate, schedule length, batch, dtype, ...) may differ only where `allow_change` names them.
+  Returns {setting: {"from": checkpoint's value, "to": this run's}} for the accepted differences.
+  """
+  diffs, accepted = [], {}
+  for key in ("model", "seed", "data", "run"):
     a, b = saved.get(key), expected.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
-      diffs += [f"{key}.{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+      for k in sorted(set(a) | set(b)):
+        if a.get(k) == b.get(k):
+          continue
+        if key == "run" and k in allow_change:
+          accepted[k] = {"from": a.get(k), "to": b.get(k)}
+        else:
+          hint = f" (accept with --allow-change {k})" if key == "run" else ""
+          diffs.append(f"{key}.{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}{hint}")
     elif a != b:
       diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")
   if diffs:
     raise ResumeMismatchError(
         f"cannot resume from {directory} (step {step}): it was written by a different run:\n  " + "\n  ".join(diffs)
         + "\nRun with the checkpoint's settings, or give a new --ckpt-dir to start afresh.")
+  return accepted

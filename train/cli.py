@@ -1,9 +1,15 @@
-"""`python -m train`: train the GPT decoder with a chosen attention backend and measure it."""
+"""`python -m train`: train the GPT decoder with a chosen attention backend and measure it.
+
+Every flag is checked before anything is built or compiled: a bad value exits with code 2
+and one line saying which flag and why. SIGINT and SIGTERM save the step in progress and
+exit with 128 + the signal's number.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import jax
@@ -11,63 +17,120 @@ import jax
 import attnlayers
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, loop
+from train import checkpoint, lock, loop, signals
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message: str):
+    print(f"error: {message} (see python -m train --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each flag's default, except where there is none to show (the help says what applies)."""
+
+  def _get_help_string(self, action):
+    if action.default is None or action.default == [] or isinstance(action.default, bool):
+      return action.help
+    return super()._get_help_string(action)
+
+
+def _int_at_least(low: int):
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+  return parse
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+  return value
+
+
+def _setting(text: str) -> str:
+  return text.replace("-", "_")
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
-  p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto", help="attention backend (default: auto)")
-  p.add_argument("--preset", choices=list(models.PRESETS), default="tiny")
-  p.add_argument("--n-layer", type=int, help="transformer blocks; default: the preset's")
-  p.add_argument("--n-head", type=int, help="query heads; default: the preset's")
-  p.add_argument("--d-model", type=int, help="model width (head dim = d_model / n_head); default: the preset's")
-  p.add_argument("--kv-heads", type=int, help="key/value heads (GQA/MQA); default: the preset's")
-  p.add_argument("--seq-len", type=int, help="context length; default: the preset's")
-  p.add_argument("--vocab-size", type=int, help="default: the preset's")
+  p = _Parser(prog="python -m train", description=__doc__.splitlines()[0], formatter_class=_Help)
+  one, zero = _int_at_least(1), _int_at_least(0)
+  p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto", help="attention backend")
+  p.add_argument("--preset", choices=list(models.PRESETS), default="tiny", help="model shape to start from")
+  p.add_argument("--n-layer", type=one, help="transformer blocks; default: the preset's")
+  p.add_argument("--n-head", type=one, help="query heads; default: the preset's")
+  p.add_argument("--d-model", type=one, help="model width (head dim = d_model / n_head); default: the preset's")
+  p.add_argument("--kv-heads", type=one, help="key/value heads (GQA/MQA); default: the preset's")
+  p.add_argument("--fp8-core", choices=["fp8", "fp8-or-bf16", "bf16"], default="fp8",
+                 help="--attn te-fp8 only: its attention core in FP8 (refused where cuDNN's FP8 attention cannot "
+                      "take the model, e.g. head dim != 128), FP8 where it can else bf16, or bf16")
+  p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
+  p.add_argument("--vocab-size", type=one, help="token ids the model covers; default: the preset's")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype; default: the preset's")
-  p.add_argument("--batch-size", type=int, default=16, help="global batch (default 16)")
-  p.add_argument("--steps", type=int, default=1000)
-  p.add_argument("--lr", type=float, default=3e-3)
-  p.add_argument("--warmup", type=int, default=30)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--batch-size", type=one, default=16, help="global batch, split over every device")
+  p.add_argument("--steps", type=one, default=1000, help="optimizer steps in all, counting those before a resume")
+  p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (warm-up, then cosine decay)")
+  p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
+  p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
   p.add_argument("--data", help="text file, folder of text, or 'DIR/*.bin' token shards; default: "
                                 "the Python standard library's source, embedded")
-  p.add_argument("--ckpt-dir", help="save checkpoints here and resume from the latest one")
-  p.add_argument("--ckpt-every", type=int, default=100)
-  p.add_argument("--eval-every", type=int, default=100)
-  p.add_argument("--log-every", type=int, default=10)
-  p.add_argument("--metrics", help="append JSON lines here")
-  p.add_argument("--sample-tokens", type=int, default=200)
-  p.add_argument("--peak-tflops", type=float, help="device bf16 peak for MFU, if not in the built-in table")
-  p.add_argument("--no-progress", dest="progress", action="store_false")
-  p.add_argument("--profile-dir", help="write a profiler trace of steps 11-15 here (perfetto_trace.json.gz + xplane)")
+  p.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: none")
+  p.add_argument("--ckpt-every", type=one, default=100,
+                 help="steps between checkpoints (the last step is always saved)")
+  p.add_argument("--allow-change", type=_setting, choices=loop.TRAJECTORY, action="append", default=[],
+                 metavar="SETTING", help="let a resume change this setting from the checkpoint's (one of "
+                 f"{', '.join(loop.TRAJECTORY)}; repeatable); the change is recorded in --metrics; default: "
+                 "a resume must keep them all")
+  p.add_argument("--eval-every", type=zero, default=100, help="steps between validation losses; 0: none")
+  p.add_argument("--log-every", type=one, default=10, help="steps between metrics records")
+  p.add_argument("--metrics", help="append JSON lines (per logged step, resumes, ...) to this file; default: none")
+  p.add_argument("--sample-tokens", type=zero, default=200, help="tokens to sample at the end; 0: none")
+  p.add_argument("--peak-tflops", type=_positive_float, help="device bf16 peak for MFU; default: the built-in table")
+  p.add_argument("--no-progress", dest="progress", action="store_false",
+                 help="hide the progress bar (shown by default)")
+  first, last = loop.PROFILE_WINDOW
+  p.add_argument("--profile-dir", help=f"write a profiler trace of the run's steps {first}-{last} here "
+                                       "(perfetto_trace.json.gz + xplane); default: none")
   p.add_argument("--coordinator-address", help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
-  p.add_argument("--num-processes", type=int)
-  p.add_argument("--process-id", type=int)
+  p.add_argument("--num-processes", type=one, help="multi-host: how many processes")
+  p.add_argument("--process-id", type=zero, help="multi-host: this process's index")
   return p
 
 
 def main(argv=None) -> None:
   a = parser().parse_args(argv)
-  if a.coordinator_address:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
-    jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
   try:
     model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
-                          n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype)
+                          n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype,
+                          fp8_core=a.fp8_core)
+    cfg = loop.TrainConfig(
+        model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
+        ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,
+        metrics=a.metrics, sample_tokens=a.sample_tokens, peak_tflops=a.peak_tflops, progress=a.progress,
+        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  cfg = loop.TrainConfig(
-      model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
-      ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,
-      metrics=a.metrics, sample_tokens=a.sample_tokens, peak_tflops=a.peak_tflops, progress=a.progress,
-      profile_dir=a.profile_dir)
+  if a.coordinator_address:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
+    jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
   print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   try:
     summary = loop.run(cfg)
-  except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, attnlayers.BackendUnavailableError,
-          FP8Unavailable, FileNotFoundError, ValueError) as e:
+  except signals.Stopped as e:
+    print(str(e), file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
+  except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
+          attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   sample = summary.pop("sample", None)

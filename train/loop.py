@@ -1,10 +1,18 @@
-"""The training loop: data-parallel over every device, checkpointed, resumable, measured."""
+"""The training loop: data-parallel over every device, checkpointed, resumable, measured.
+
+`run` reads as its steps: open the checkpoint folder and the output files (path problems
+surface here, before anything compiles), load data, build the model and optimizer, resume
+from the newest intact checkpoint, train, summarise. SIGINT and SIGTERM end the step being
+run, save it and raise signals.Stopped.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import os
 import time
 
 import jax
@@ -16,9 +24,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
+import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
-from train import checkpoint, data, metrics, optim, sample
+from train import checkpoint, data, metrics, optim, sample, signals, stepdirs
+
+PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
+# The settings that, with the model's architecture, seed and data, decide every step's numbers:
+# a resume must keep them unless TrainConfig.allow_change names them.
+TRAJECTORY = ("steps", "batch_size", "lr", "warmup", "weight_decay", "clip", "dtype")
 
 
 class TrainingDiverged(RuntimeError):
@@ -32,20 +46,43 @@ class TrainConfig:
   batch_size: int = 16  # global batch, split over every device
   lr: float = 3e-3  # peak learning rate
   warmup: int = 30  # linear warm-up steps
-  weight_decay: float = 0.1
+  weight_decay: float = 0.1  # AdamW decay on matrices
   clip: float = 1.0  # global gradient norm
   seed: int = 0  # parameters, data order and dropout
   data: str | None = None  # see train.data; None = the embedded corpus
   ckpt_dir: str | None = None  # resume from and save to; None = no checkpoints
-  ckpt_every: int = 100
-  eval_every: int = 100
-  eval_batches: int = 4
-  log_every: int = 10
+  ckpt_every: int = 100  # steps between checkpoints (the last step is always saved)
+  eval_every: int = 100  # steps between validation losses; 0 = none
+  eval_batches: int = 4  # validation batches averaged per evaluation
+  log_every: int = 10  # steps between metrics records
   metrics: str | None = None  # JSONL path
   sample_tokens: int = 200  # printed at the end; 0 = none
   peak_tflops: float | None = None  # override the device's bf16 peak for MFU
-  progress: bool = True
-  profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of steps 11-15 here
+  progress: bool = True  # tqdm bar
+  profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of PROFILE_WINDOW here
+  allow_change: tuple[str, ...] = ()  # TRAJECTORY settings a resume may change; recorded in the metrics file
+
+  def __post_init__(self):
+    finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
+    rules = [("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
+             ("lr", finite(self.lr) and self.lr > 0, "a finite number > 0"), ("warmup", self.warmup >= 0, ">= 0"),
+             ("weight_decay", finite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
+             ("clip", finite(self.clip) and self.clip > 0, "a finite number > 0"), ("seed", self.seed >= 0, ">= 0"),
+             ("ckpt_every", self.ckpt_every >= 1, ">= 1"), ("eval_every", self.eval_every >= 0, ">= 0"),
+             ("eval_batches", self.eval_batches >= 1, ">= 1"), ("log_every", self.log_every >= 1, ">= 1"),
+             ("sample_tokens", self.sample_tokens >= 0, ">= 0"),
+             ("peak_tflops", self.peak_tflops is None or finite(self.peak_tflops) and self.peak_tflops > 0, "> 0"),
+             ("allow_change", set(self.allow_change) <= set(TRAJECTORY), f"some of {', '.join(TRAJECTORY)}")]
+    bad = [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in rules if not ok]
+    if self.profile_dir and self.steps < PROFILE_WINDOW[1]:
+      first, last = PROFILE_WINDOW
+      bad.append(f"profile_dir traces steps {first}-{last} of the run, but steps is {self.steps}")
+    if bad:
+      raise ValueError("; ".join(bad))
+
+  def trajectory(self) -> dict:
+    """The TRAJECTORY settings' values, which a checkpoint records (checkpoint.check_meta)."""
+    return {f: getattr(self, f) for f in TRAJECTORY if f != "dtype"} | {"dtype": self.model.dtype}
 
 
 def _loss(graphdef, params, fp8, x, y, dropout_key):
@@ -55,37 +92,27 @@ def _loss(graphdef, params, fp8, x, y, dropout_key):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def run(cfg: TrainConfig) -> dict:
-  """Trains; returns the summary. Raises TrainingDiverged on a non-finite loss."""
-  t_start = time.perf_counter()
-  mcfg = cfg.model
-  dataset = data.load(cfg.data, mcfg.seq_len)
-  if dataset.vocab_size > mcfg.vocab_size:
-    raise ValueError(f"data {dataset.name} has token ids up to {dataset.vocab_size - 1}, more than the model's "
-                     f"vocab_size {mcfg.vocab_size}; use --vocab-size {dataset.vocab_size} or larger")
-  mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))  # XLA SPMD partitions
-  if cfg.batch_size % jax.device_count():
-    raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
-  replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """The model split for training, the optimizer, and the jitted step functions."""
+  graphdef: nnx.GraphDef  # the model's structure, without its state
+  tx: optax.GradientTransformation  # AdamW with the run's schedule
+  lr_at: optax.Schedule  # the learning rate of each update, by 0-based index
+  n_params: int  # as nanoGPT counts them for FLOPs
+  train_step: object  # (state, x, y, step) -> (new state, loss); donates the old state
+  eval_loss: object  # (params, fp8, x, y) -> loss, dropout off
 
-  model = models.GPT(mcfg, rngs=nnx.Rngs(cfg.seed))
+
+def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
+  """The model and optimizer, and the initial state {params, opt_state, fp8} on every device."""
+  model = models.GPT(cfg.model, rngs=nnx.Rngs(cfg.seed))
   # fp8: FP8 scaling state (te-fp8 only, else empty); replaced by its gradient each step, never optimised
   graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
   if fp8 and jax.device_count() > 1:
     raise ValueError(f"--attn te-fp8 trains on one device in this version (its amax reductions are not "
                      f"wired across devices); have {jax.device_count()}")
-  n_params = models.count_params(model)
   tx = optim.adamw(cfg.lr, cfg.steps, cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip)
   state = jax.device_put({"params": params, "opt_state": tx.init(params), "fp8": fp8}, replicated)
-  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
-
-  meta = {"model": mcfg.architecture(), "seed": cfg.seed, "data": dataset.name}
-  ckpts = checkpoint.Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
-  start = 0
-  if ckpts and ckpts.latest_step() is not None:
-    start = ckpts.latest_step()
-    state, _ = ckpts.restore(start, state, meta)
-    print(f"resumed from {ckpts.directory} at step {start}")
 
   @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers hold the new one
   def train_step(state, x, y, step):
@@ -95,94 +122,234 @@ def run(cfg: TrainConfig) -> dict:
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "fp8": fp8}, loss
 
-  @jax.jit
-  def eval_loss(params, fp8, x, y):
-    return _loss(graphdef, params, fp8, x, y, None)
+  eval_loss = jax.jit(lambda params, fp8, x, y: _loss(graphdef, params, fp8, x, y, None))
+  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
+  return Model(graphdef, tx, lr_at, models.count_params(model), train_step, eval_loss), state
 
-  local = cfg.batch_size // jax.process_count()
-  lo = jax.process_index() * local
 
-  def put(split, step):
-    x, y = dataset.batch(split, cfg.seed, step, cfg.batch_size, mcfg.seq_len)
-    return (jax.make_array_from_process_local_data(batch_sharding, a[lo:lo + local]) for a in (x, y))
+@dataclasses.dataclass(frozen=True)
+class Batches:
+  """Step s's batch on the devices: every process cuts its rows out of the same global batch."""
+  dataset: data.Dataset  # the token source
+  cfg: TrainConfig  # seed, batch size, sequence length
+  sharding: NamedSharding  # rows split over the "data" axis
 
-  def validate():
-    losses = [eval_loss(state["params"], state["fp8"], *put("val", i)) for i in range(cfg.eval_batches)]
-    return float(np.mean([float(l) for l in losses]))
+  def __call__(self, split: str, step: int):
+    local = self.cfg.batch_size // jax.process_count()
+    lo = jax.process_index() * local
+    x, y = self.dataset.batch(split, self.cfg.seed, step, self.cfg.batch_size, self.cfg.model.seq_len)
+    return tuple(jax.make_array_from_process_local_data(self.sharding, a[lo:lo + local]) for a in (x, y))
 
-  def check_finite(loss, step):
-    if not math.isfinite(loss):
-      good = ckpts.latest_step() if ckpts else None
-      where = f"the last good checkpoint, step {good} in {ckpts.directory}, is untouched" if good is not None \
-          else "no checkpoint was written"
-      raise TrainingDiverged(f"loss is {loss} at step {step}; stopped: {where}. Lower --lr or raise --warmup.")
 
-  tokens_per_step = cfg.batch_size * mcfg.seq_len
-  fpt = models.flops_per_token(mcfg, n_params, mcfg.seq_len)
-  peak = metrics.peak_flops(cfg.peak_tflops)
-  mfu = lambda steps_per_s: steps_per_s * tokens_per_step * fpt / peak if peak and steps_per_s else None
+@dataclasses.dataclass(frozen=True)
+class Session:
+  """Everything the loop reads; the state it trains is passed along explicitly."""
+  cfg: TrainConfig  # the run's settings
+  model: Model  # step functions
+  batches: Batches  # batch of (split, step)
+  ckpts: checkpoint.Checkpoints | None  # None without ckpt_dir
+  meta: dict  # what each checkpoint records about the run (checkpoint.check_meta)
+  out: metrics.MetricsFile  # the JSONL metrics
+  throughput: metrics.Throughput  # steps/s between reports
+  stop: signals.StopRequests  # SIGINT/SIGTERM received, if any
+  start: int  # the step the run resumed from (0 = fresh)
+
+
+def _open_outputs(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[checkpoint.Checkpoints | None,
+                                                                          metrics.MetricsFile]:
+  """Locks the checkpoint folder and opens the metrics file: every path problem, before any work."""
+  if cfg.profile_dir and os.path.exists(cfg.profile_dir) and not os.path.isdir(cfg.profile_dir):
+    raise ValueError(f"--profile-dir {cfg.profile_dir}: is a file; give a folder for the trace")
+  ckpts = checkpoint.Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
+  if ckpts:
+    stack.callback(ckpts.close)
+    ours = ckpts.listing().ours
+    if cfg.profile_dir and ours and cfg.steps - ours[-1] < PROFILE_WINDOW[1]:
+      raise ValueError(f"--profile-dir traces steps {PROFILE_WINDOW[0]}-{PROFILE_WINDOW[1]} after the resume "
+                       f"from step {ours[-1]}, but --steps is {cfg.steps}")
   out = metrics.MetricsFile(cfg.metrics)
-  bar = tqdm(total=cfg.steps, initial=start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
-  rates, first_step_s, last_t, last_step, loss, wrote_any = [], None, None, start, None, False
-  try:
-    batch = put("train", start + 1)
-    for step in range(start + 1, cfg.steps + 1):
-      if cfg.profile_dir and step == start + 11:
-        jax.profiler.start_trace(cfg.profile_dir, create_perfetto_trace=True)
-      state, loss_arr = train_step(state, *batch, step)
-      if step < cfg.steps:
-        batch = put("train", step + 1)  # the next batch is made while this step runs
-      if cfg.profile_dir and step == start + 15:
-        jax.block_until_ready(loss_arr)
-        jax.profiler.stop_trace()
-      bar.update(1)
-      if first_step_s is None:
-        loss = float(loss_arr)
-        first_step_s = time.perf_counter() - t_start
-        last_t, last_step = time.perf_counter(), step
-        check_finite(loss, step)
-      is_log = step % cfg.log_every == 0 or step == cfg.steps
-      is_eval = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
-      is_ckpt = ckpts and (step % cfg.ckpt_every == 0 or step == cfg.steps)
-      if not (is_log or is_eval or is_ckpt):
-        continue
-      loss = float(loss_arr)  # waits for the step
-      check_finite(loss, step)
-      now = time.perf_counter()
-      record = {"step": step, "loss": loss, "lr": float(lr_at(step - 1))}
-      if step > last_step:
-        steps_per_s = (step - last_step) / (now - last_t)
-        rates.append(steps_per_s)
-        record |= {"steps_per_s": steps_per_s, "tokens_per_s": steps_per_s * tokens_per_step,
-                   "mfu": mfu(steps_per_s)}
-      if not wrote_any:
-        record["time_to_first_step_s"] = first_step_s
-      if is_eval:
-        record["val_loss"] = validate()
-      if is_ckpt:
-        ckpts.save(step, state, meta)
-      out.write(record)
-      wrote_any = True
-      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}")
-      last_t, last_step = time.perf_counter(), step
-  finally:
-    bar.close()
-    out.close()
-    if ckpts:
-      ckpts.close()
+  stack.callback(out.close)
+  return ckpts, out
 
-  steady = sorted(rates[1:] or rates)  # the first interval, just after compilation, still warms up
-  steps_per_s = steady[len(steady) // 2] if steady else None
+
+def _load_data(cfg: TrainConfig) -> data.Dataset:
+  dataset = data.load(cfg.data, cfg.model.seq_len)
+  if dataset.vocab_size > cfg.model.vocab_size:
+    raise ValueError(f"data {dataset.name} has token ids up to {dataset.vocab_size - 1}, more than the model's "
+                     f"vocab_size {cfg.model.vocab_size}; use --vocab-size {dataset.vocab_size} or larger")
+  return dataset
+
+
+def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile) -> int:
+  """The newest checkpoint that verifies and belongs to this run (0: a fresh run); refuses another run's."""
+  step = ckpts.newest_intact() if ckpts else None
+  if step is None:
+    return 0
+  changes = ckpts.check_resume(step, meta, cfg.allow_change)
+  saves = [s for s in range(step + 1, cfg.steps + 1) if s % cfg.ckpt_every == 0 or s == cfg.steps]
+  blocked = sorted(set(ckpts.listing().foreign) & set(saves))
+  if blocked:
+    raise checkpoint.CheckpointError(
+        f"{ckpts.directory} holds folders named {', '.join(map(str, blocked))} without {stepdirs.MANIFEST}; "
+        "this run would save those steps there: move them, or give another --ckpt-dir")
+  out.write({"event": "resume", "step": step, "ckpt_dir": ckpts.directory, "changed": changes})
+  for k, c in changes.items():
+    print(f"--allow-change {k}: {c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
+  return step
+
+
+def _finite(loss: float, step: int, ckpts) -> float:
+  if not math.isfinite(loss):
+    good = ckpts.last_good if ckpts else None
+    where = f"the last good checkpoint, step {good} in {ckpts.directory}, is untouched" if good is not None \
+        else "no checkpoint was written"
+    raise TrainingDiverged(f"loss is {loss} at step {step}; stopped: {where}. Lower --lr or raise --warmup.")
+  return loss
+
+
+def _validate(s: Session, state: dict) -> float:
+  losses = [s.model.eval_loss(state["params"], state["fp8"], *s.batches("val", i)) for i in range(s.cfg.eval_batches)]
+  return float(np.mean([float(l) for l in losses]))
+
+
+def _report(s: Session, step: int, state: dict, loss_arr, bar, *, evaluate: bool, save: bool) -> float:
+  """Writes step `step`'s metrics record (with the validation loss if `evaluate`), saves it if `save`."""
+  loss = _finite(float(loss_arr), step, s.ckpts)  # waits for the step
+  record = {"step": step, "loss": loss, "lr": float(s.model.lr_at(step - 1))}
+  record |= s.throughput.interval(step)
+  if evaluate:
+    record["val_loss"] = _validate(s, state)
+    if jax.process_index() == 0:
+      tqdm.write(f"step {step}: loss {loss:.4f}, val_loss {record['val_loss']:.4f}")
+  if save:
+    s.ckpts.save(step, state, s.meta)
+  s.out.write(record)
+  postfix = {"loss": f"{loss:.3f}", "tok_s": f"{record.get('tokens_per_s') or 0:,.0f}"}
+  bar.set_postfix(postfix | ({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
+  s.throughput.mark(step)
+  return loss
+
+
+class _Profiler:
+  """A trace of the run's steps PROFILE_WINDOW into profile_dir; stopped on the way out, whatever happens."""
+
+  def __init__(self, directory: str | None, start: int):
+    self.directory = directory  # None: no trace
+    self.first, self.last = start + PROFILE_WINDOW[0], start + PROFILE_WINDOW[1]  # absolute step numbers
+    self.on = False  # tracing now
+
+  def before(self, step: int) -> None:
+    if self.directory and step == self.first:
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      self.on = True
+
+  def after(self, step: int, loss_arr) -> None:
+    if self.on and step == self.last:
+      jax.block_until_ready(loss_arr)
+      self.close()
+
+  def close(self) -> None:
+    if self.on:
+      jax.profiler.stop_trace()
+      self.on = False
+
+
+def _due(cfg: TrainConfig, step: int, every: int) -> bool:
+  """Whether something done every `every` steps (0: never) is done at `step`; the last step always."""
+  return bool(every) and (step % every == 0 or step == cfg.steps)
+
+
+def _train(s: Session, state: dict) -> tuple[dict, float | None]:
+  """Steps start+1 .. steps; returns (state, last loss). Raises signals.Stopped after saving on a signal."""
+  cfg, loss = s.cfg, None
+  if s.stop.received:  # arrived while setting up: nothing new to save
+    raise _stopped(s, s.start, saved=False)
+  bar = tqdm(total=cfg.steps, initial=s.start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
+  profiler = _Profiler(cfg.profile_dir, s.start)
+  try:
+    batch = s.batches("train", s.start + 1)
+    for step in range(s.start + 1, cfg.steps + 1):
+      profiler.before(step)
+      state, loss_arr = s.model.train_step(state, *batch, step)
+      if step < cfg.steps:
+        batch = s.batches("train", step + 1)  # the next batch is made while this step runs
+      profiler.after(step, loss_arr)
+      bar.update(1)
+      if s.throughput.time_to_first_step_s is None:
+        loss = _finite(float(loss_arr), step, s.ckpts)
+        s.throughput.first_step_done(step)
+      stopping = s.stop.received is not None  # read once: a signal during the report waits for the next step
+      log, evaluate = _due(cfg, step, cfg.log_every), _due(cfg, step, cfg.eval_every)
+      save = s.ckpts is not None and (_due(cfg, step, cfg.ckpt_every) or stopping)
+      if log or evaluate or save or stopping:
+        loss = _report(s, step, state, loss_arr, bar, evaluate=evaluate, save=save)
+      if stopping:
+        raise _stopped(s, step, saved=save)
+  finally:
+    profiler.close()
+    bar.close()
+  return state, loss
+
+
+def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
+  if saved:
+    where = f"saved step {step} in {s.ckpts.directory}; the same command resumes from there"
+  elif s.ckpts:
+    where = f"nothing new to save; the same command resumes from {f'step {s.start}' if s.start else 'the start'}"
+  else:
+    where = "nothing saved (no --ckpt-dir)"
+  return signals.Stopped(s.stop.received, step, f"stopped by {s.stop.name} after step {step}: {where}")
+
+
+def attention_ran(cfg: models.GPTConfig, batch_size: int) -> str | None:
+  """The kernel the model's attention calls run on (what `auto` chose), from shape stand-ins."""
+  dt = jnp.dtype(cfg.dtype)
+  q = jax.ShapeDtypeStruct((batch_size, cfg.seq_len, cfg.n_head, cfg.head_dim), dt)  # (B, T, N, H)
+  kv = jax.ShapeDtypeStruct((batch_size, cfg.seq_len, cfg.n_kv_head or cfg.n_head, cfg.head_dim), dt)  # (B, S, K, H)
+  return attnlayers.explain(cfg.backend, q, kv, kv, is_causal=cfg.causal).chosen
+
+
+def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) -> dict:
+  cfg, mcfg = s.cfg, s.cfg.model
+  steps_per_s = s.throughput.steady_steps_per_s()
   summary = {
-      "event": "summary", "steps": cfg.steps, "final_loss": loss, "params": n_params,
-      "steps_per_s": steps_per_s, "tokens_per_s": steps_per_s and steps_per_s * tokens_per_step,
-      "mfu": mfu(steps_per_s),
-      "time_to_first_step_s": first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
-      "attention": mcfg.backend, "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
+      "event": "summary", "steps": cfg.steps, "final_loss": loss, "params": s.model.n_params,
+      **s.throughput.rates_fields(steps_per_s),
+      "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
+      "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size),
+      "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
   if cfg.sample_tokens:  # every process takes part: the parameters span all of them
     prompt = dataset.val[0][:mcfg.seq_len // 2]
-    new = sample.generate(graphdef, (state["params"], state["fp8"]), np.asarray(prompt), steps=cfg.sample_tokens,
-                          window=mcfg.seq_len, seed=cfg.seed)
+    new = sample.generate(s.model.graphdef, (state["params"], state["fp8"]), np.asarray(prompt),
+                          steps=cfg.sample_tokens, window=mcfg.seq_len, seed=cfg.seed)
     summary["sample"] = sample.decode(new, dataset.vocab_size)
   return summary
+
+
+def run(cfg: TrainConfig) -> dict:
+  """Trains; returns the summary. Raises TrainingDiverged on a non-finite loss, signals.Stopped on a signal."""
+  t_start = time.perf_counter()
+  with contextlib.ExitStack() as stack:
+    stop = stack.enter_context(signals.StopRequests())
+    ckpts, out = _open_outputs(cfg, stack)
+    dataset = _load_data(cfg)
+    if cfg.batch_size % jax.device_count():
+      raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))  # XLA SPMD partitions
+    meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": dataset.name, "run": cfg.trajectory()}
+    start = _resume_point(cfg, ckpts, meta, out)
+    model, state = build(cfg, NamedSharding(mesh, P()))
+    if start:
+      state = ckpts.restore(start, state)
+      newest = ", the newest checkpoint that verifies" if ckpts.set_aside else ""
+      print(f"resumed from {ckpts.directory} at step {start}{newest}", flush=True)
+    if start >= cfg.steps:
+      print(f"step {start} of {cfg.steps} is done: nothing to train")
+    throughput = metrics.Throughput(t_start, start, cfg.batch_size * cfg.model.seq_len,
+                                    models.flops_per_token(cfg.model, model.n_params, cfg.model.seq_len),
+                                    metrics.peak_flops(cfg.peak_tflops))
+    s = Session(cfg, model, Batches(dataset, cfg, NamedSharding(mesh, P("data"))), ckpts, meta, out, throughput,
+                stop, start)
+    state, loss = _train(s, state)
+  return _summary(s, state, loss, dataset)

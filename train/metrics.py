@@ -8,6 +8,8 @@ datasheet rate; null where the peak is unknown (CPUs, unlisted GPUs) unless --pe
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import jax
 
@@ -30,11 +32,64 @@ def peak_memory_bytes() -> int | None:
   return (stats or {}).get("peak_bytes_in_use")
 
 
+class Throughput:
+  """Steps/s over each interval between reported steps, and the run's typical rate.
+
+  The interval that ends at the first reported step includes compilation on a fresh run,
+  so the run's rate is the median of the intervals after it.
+  """
+
+  def __init__(self, t_start: float, start_step: int, tokens_per_step: int, flops_per_token: float,
+               peak: float | None):
+    self.t_start = t_start  # time.perf_counter() when the run began
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token
+    self.peak = peak
+    self.time_to_first_step_s: float | None = None  # from t_start to the first step's result
+    self.rates: list[float] = []  # steps/s of each interval
+    self.last_t, self.last_step = None, start_step
+    self.reported = False  # whether interval() has run: the first report carries time_to_first_step_s
+
+  def first_step_done(self, step: int) -> None:
+    self.time_to_first_step_s = time.perf_counter() - self.t_start
+    self.mark(step)
+
+  def mark(self, step: int) -> None:
+    """The next interval starts now, after `step` (evaluation and saving stay out of the rate)."""
+    self.last_t, self.last_step = time.perf_counter(), step
+
+  def interval(self, step: int) -> dict:
+    """steps_per_s, tokens_per_s and mfu since the last mark (none if no step ran since)."""
+    fields = {} if self.reported else {"time_to_first_step_s": self.time_to_first_step_s}
+    self.reported = True
+    if step <= self.last_step:
+      return fields
+    rate = (step - self.last_step) / (time.perf_counter() - self.last_t)
+    self.rates.append(rate)
+    return self.rates_fields(rate) | fields
+
+  def rates_fields(self, steps_per_s: float | None) -> dict:
+    tokens_per_s = steps_per_s and steps_per_s * self.tokens_per_step
+    mfu = tokens_per_s * self.flops_per_token / self.peak if self.peak and tokens_per_s else None
+    return {"steps_per_s": steps_per_s, "tokens_per_s": tokens_per_s, "mfu": mfu}
+
+  def steady_steps_per_s(self) -> float | None:
+    steady = sorted(self.rates[1:] or self.rates)
+    return steady[len(steady) // 2] if steady else None
+
+
 class MetricsFile:
   """Appends one JSON object a line; a resumed run keeps appending to the same file."""
 
   def __init__(self, path: str | None):
-    self.file = open(path, "a", encoding="utf-8") if path and jax.process_index() == 0 else None
+    self.file = None
+    if path and jax.process_index() == 0:
+      if os.path.isdir(path):
+        raise ValueError(f"--metrics {path}: is a folder; give a file path (JSON lines are appended to it)")
+      try:
+        self.file = open(path, "a", encoding="utf-8")
+      except OSError as e:
+        raise ValueError(f"--metrics {path}: cannot write there ({e.strerror})") from None
 
   def write(self, record: dict) -> None:
     if self.file:

@@ -17,7 +17,9 @@ def generate(graphdef, states: tuple, prompt: np.ndarray, *, steps: int, window:
 
   @jax.jit
   def next_token(states, buf, pos, key):
-    logits = nnx.merge(graphdef, *states)(buf[None])[0, pos - 1]  # (V,); causal, so buf[pos:] is ignored
+    # (V,): the prediction after buf[:pos]. A causal model ignores the zero padding buf[pos:];
+    # a bidirectional one (causal=False) attends to it, so its samples are conditioned on it too.
+    logits = nnx.merge(graphdef, *states)(buf[None])[0, pos - 1]
     return jax.random.categorical(key, logits / temperature)
 
   tokens = list(prompt[-window:])

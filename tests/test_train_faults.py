@@ -1,0 +1,343 @@
+"""Fault injection for `python -m train` on CPU: damaged checkpoints, foreign folders, a second
+trainer, signals, bad flags and changed settings.
+
+Runs are tiny (preset tiny, T=32, B=8). Checkpoint faults run in-process; signals and locks
+need processes of their own, which share compiled programs through a persistent
+compilation cache so that each pays only python's start and jax's import.
+"""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from train import checkpoint, cli, data, loop, stepdirs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
+        "--eval-every", "0", "--log-every", "1"]
+
+
+def tiny(ckpt_dir, **overrides) -> loop.TrainConfig:
+  """The in-process twin of TINY + --steps 20 --ckpt-every 10: checkpoints at 10 and 20."""
+  return loop.TrainConfig(**{"model": models.preset("tiny", seq_len=32), "steps": 20, "batch_size": 8,
+                             "ckpt_every": 10, "eval_every": 0, "log_every": 1, "sample_tokens": 0,
+                             "progress": False, "ckpt_dir": str(ckpt_dir)} | overrides)
+
+
+def losses(path) -> dict[int, float]:
+  """step -> loss; a resumed run's later line for a step replaces the earlier one."""
+  rows = [json.loads(line) for line in open(path)]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("jax-cache"))
+
+
+def popen(args: list[str], jax_cache: str) -> subprocess.Popen:
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             JAX_COMPILATION_CACHE_DIR=jax_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  # A child inherits an ignored SIGINT (a test runner started in the background has one), but
+  # not a handler: with one installed here, the child gets SIGINT as a terminal would send it.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+def train_cli(args: list[str], jax_cache: str) -> tuple[int, str, str]:
+  proc = popen(["-m", "train", *args], jax_cache)
+  out, err = proc.communicate(timeout=600)
+  return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """A checkpoint folder with steps 10 and 20, and the run's loss at step 20."""
+  d = tmp_path_factory.mktemp("saved") / "ckpt"
+  return d, loop.run(tiny(d))["final_loss"]
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+  shutil.copytree(saved[0], tmp_path / "ckpt")
+  return tmp_path / "ckpt"
+
+
+# --- damaged checkpoints: the damaged step is set aside, the previous one restored, training goes on
+
+
+def _largest_state_file(step_dir) -> str:
+  return max((f for f in glob.glob(str(step_dir / "state" / "**"), recursive=True) if os.path.isfile(f)),
+             key=os.path.getsize)
+
+
+def flip_bit(step_dir):
+  path = _largest_state_file(step_dir)
+  raw = bytearray(open(path, "rb").read())
+  raw[len(raw) // 2] ^= 0x10
+  open(path, "wb").write(bytes(raw))
+  return path
+
+
+def random_bytes(step_dir):
+  path = _largest_state_file(step_dir)
+  with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) // 2)
+    f.write(np.random.default_rng(0).bytes(64))
+  return path
+
+
+def truncate(step_dir):
+  path = _largest_state_file(step_dir)
+  os.truncate(path, os.path.getsize(path) // 2)
+  return path
+
+
+def remove_state(step_dir):
+  shutil.rmtree(step_dir / "state")
+  return str(step_dir / "state")
+
+
+def empty_folder(step_dir):
+  shutil.rmtree(step_dir)
+  step_dir.mkdir()
+  return str(step_dir / stepdirs.MANIFEST)
+
+
+def damage_orbax_metadata(step_dir):
+  (step_dir / "state" / "_METADATA").write_text('{"tree_metadata": {')
+  return str(step_dir / "state" / "_METADATA")
+
+
+def damage_meta_json(step_dir):
+  (step_dir / "meta" / "metadata").write_text('{"model": {"vocab_size": 25')
+  return str(step_dir / "meta" / "metadata")
+
+
+@pytest.mark.parametrize("damage", [flip_bit, random_bytes, truncate, remove_state, empty_folder,
+                                    damage_orbax_metadata, damage_meta_json],
+                         ids=["flipped-bit", "64-random-bytes", "truncated-data-file", "missing-state-folder",
+                              "empty-step-folder", "damaged-_METADATA", "damaged-meta-json"])
+def test_damaged_newest_step_is_set_aside_and_the_previous_restored(ckpt, saved, damage, capsys):
+  damaged_file = damage(ckpt / "20")
+  summary = loop.run(tiny(ckpt))
+  out, err = capsys.readouterr()
+  assert f"checkpoint step 20 is damaged: {damaged_file}" in err, err
+  assert f"set aside as {ckpt / '20.corrupt-1'}" in err, err
+  assert f"resumed from {ckpt} at step 10, the newest checkpoint that verifies" in out, out
+  assert summary["final_loss"] == saved[1]  # steps 11-20 again, bit for bit
+  assert (ckpt / "20.corrupt-1").is_dir()  # kept for a person to look at, not deleted
+  assert stepdirs.problem(str(ckpt / "20")) is None  # and step 20 saved anew
+
+
+# --- folders that are not ours
+
+
+def test_foreign_folders_survive_rotation(ckpt, capsys):
+  (ckpt / "7").mkdir()
+  (ckpt / "7" / "notes.txt").write_text("notes")
+  (ckpt / "100").mkdir()
+  (ckpt / "100" / "notes.txt").write_text("beyond this run's steps")
+  (ckpt / "20.corrupt-1").mkdir()  # set aside by an earlier run
+  loop.run(tiny(ckpt, steps=40, allow_change=("steps",)))  # saves 30 and 40; keeps 3 of ours
+  assert sorted(os.listdir(ckpt)) == ["100", "20", "20.corrupt-1", "30", "40", "7", "attnlayers.lock"]
+  assert (ckpt / "7" / "notes.txt").read_text() == "notes"
+  assert f"{ckpt / '7'} has no attnlayers.json: not a checkpoint this program wrote" in capsys.readouterr().err
+
+
+def test_foreign_folder_where_a_step_would_be_saved_is_refused(ckpt):
+  (ckpt / "30").mkdir()
+  (ckpt / "30" / "notes.txt").write_text("notes")
+  with pytest.raises(checkpoint.CheckpointError, match="holds folders named 30 without attnlayers.json"):
+    loop.run(tiny(ckpt, steps=40, allow_change=("steps",)))
+  assert (ckpt / "30" / "notes.txt").read_text() == "notes"
+
+
+# --- one trainer per folder
+
+HOLD_LOCK = ("import sys, time\nfrom train.lock import DirLock\nDirLock(sys.argv[1]).acquire()\n"
+             "print('locked', flush=True)\ntime.sleep(600)")
+
+
+def _holder(directory, jax_cache) -> subprocess.Popen:
+  os.makedirs(directory, exist_ok=True)
+  proc = popen(["-c", HOLD_LOCK, str(directory)], jax_cache)
+  assert proc.stdout.readline().strip() == "locked", proc.stderr.read()
+  return proc
+
+
+def test_second_trainer_is_refused_naming_the_holder(tmp_path, jax_cache, capsys):
+  holder = _holder(tmp_path / "c", jax_cache)
+  try:
+    with pytest.raises(SystemExit) as e:
+      cli.main([*TINY, "--steps", "5", "--ckpt-dir", str(tmp_path / "c")])
+  finally:
+    holder.kill()
+    holder.communicate()
+  err = capsys.readouterr().err
+  assert e.value.code == 2
+  assert f"is in use by another trainer (pid {holder.pid} on host {socket.gethostname()}" in err, err
+
+
+def test_lock_of_a_killed_trainer_is_taken_over(tmp_path, jax_cache, capsys):
+  holder = _holder(tmp_path / "c", jax_cache)
+  holder.send_signal(signal.SIGKILL)
+  holder.communicate()
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "c"))
+  ckpts.close()
+  assert f"took over {tmp_path / 'c' / 'attnlayers.lock'} from a trainer that did not release it " \
+         f"(pid {holder.pid} on host {socket.gethostname()}" in capsys.readouterr().err
+  assert (tmp_path / "c" / "attnlayers.lock").read_text() == ""  # a clean exit leaves no name
+
+
+# --- signals: finish the step, save it, exit 128 + signum; the resumed run is bit for bit the same
+
+SIGNAL_RUN = [*TINY, "--steps", "60", "--ckpt-every", "50"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, jax_cache):
+  d = tmp_path_factory.mktemp("uninterrupted")
+  rc, _, err = train_cli([*SIGNAL_RUN, "--ckpt-dir", str(d / "c"), "--metrics", str(d / "m.jsonl")], jax_cache)
+  assert rc == 0, err
+  return losses(d / "m.jsonl")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_the_step_and_resume_is_bitwise(tmp_path, jax_cache, uninterrupted, signum):
+  args = [*SIGNAL_RUN, "--ckpt-dir", str(tmp_path / "c"), "--metrics", str(tmp_path / "m.jsonl")]
+  proc = popen(["-m", "train", *args], jax_cache)
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if (tmp_path / "m.jsonl").exists() and max(losses(tmp_path / "m.jsonl"), default=0) >= 3:
+      break
+    time.sleep(0.02)
+  proc.send_signal(signum)
+  _, err = proc.communicate(timeout=300)
+  stopped = max(losses(tmp_path / "m.jsonl"))  # the last step it finished
+  assert proc.returncode == 128 + signum, err
+  assert 3 <= stopped < 60 and "Traceback" not in err, err
+  name = signal.Signals(signum).name
+  assert f"stopped by {name} after step {stopped}: saved step {stopped} in {tmp_path / 'c'}" in err, err
+  assert stepdirs.problem(str(tmp_path / "c" / str(stopped))) is None
+  rc, out, err = train_cli(args, jax_cache)
+  assert rc == 0 and f"resumed from {tmp_path / 'c'} at step {stopped}" in out, err
+  resumed = losses(tmp_path / "m.jsonl")
+  assert [resumed[s] for s in range(1, 61)] == [uninterrupted[s] for s in range(1, 61)]  # bitwise
+
+
+# --- bad flags: exit 2 with one line, before the model is built or anything compiled
+
+
+def _file(tmp_path):
+  (tmp_path / "file").write_text("x")
+  return str(tmp_path / "file")
+
+
+def _read_only_dir(tmp_path):
+  if os.geteuid() == 0:  # root writes through permission bits; sysfs refuses even root
+    return "/sys/attnlayers-ckpt"
+  (tmp_path / "ro").mkdir(mode=0o555)
+  return str(tmp_path / "ro")
+
+
+BAD_FLAGS = {
+    "batch-size-0": (lambda d: ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    "batch-size-neg": (lambda d: ["--batch-size", "-4"], "argument --batch-size: must be >= 1, got -4"),
+    "seq-len-0": (lambda d: ["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
+    "seq-len-neg": (lambda d: ["--seq-len", "-1"], "argument --seq-len: must be >= 1, got -1"),
+    "kv-heads-0": (lambda d: ["--kv-heads", "0"], "argument --kv-heads: must be >= 1, got 0"),
+    "kv-heads-3": (lambda d: ["--kv-heads", "3"], "n_head (4) must be divisible by n_kv_head (3)"),
+    "n-head-0": (lambda d: ["--n-head", "0"], "argument --n-head: must be >= 1, got 0"),
+    "ckpt-every-0": (lambda d: ["--ckpt-every", "0"], "argument --ckpt-every: must be >= 1, got 0"),
+    "log-every-0": (lambda d: ["--log-every", "0"], "argument --log-every: must be >= 1, got 0"),
+    "steps-neg": (lambda d: ["--steps", "-5"], "argument --steps: must be >= 1, got -5"),
+    "lr-neg": (lambda d: ["--lr", "-1"], "argument --lr: must be a finite number > 0, got -1"),
+    "lr-nan": (lambda d: ["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
+    "warmup-neg": (lambda d: ["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    "profile-too-few-steps": (lambda d: ["--steps", "10", "--profile-dir", str(d / "p")],
+                              "profile_dir traces steps 11-15 of the run, but steps is 10"),
+    "ckpt-dir-is-a-file": (lambda d: ["--ckpt-dir", _file(d)], "not a folder (a file is in the way)"),
+    "ckpt-dir-read-only": (lambda d: ["--ckpt-dir", _read_only_dir(d)], "cannot write there"),
+    "metrics-is-a-folder": (lambda d: ["--metrics", str(d)], "is a folder; give a file path"),
+    "profile-dir-is-a-file": (lambda d: ["--steps", "20", "--profile-dir", _file(d)], "is a file; give a folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_flag_exits_2_before_building_anything(tmp_path, case, capsys, monkeypatch):
+  def never(*args, **kwargs):
+    raise AssertionError("got as far as loading data or building the model")
+  monkeypatch.setattr(data, "load", never)
+  monkeypatch.setattr(loop, "build", never)
+  args, message = BAD_FLAGS[case]
+  with pytest.raises(SystemExit) as e:
+    cli.main([*TINY, *args(tmp_path)])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and message in err, err
+  assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("case", ["batch-size-0", "lr-nan", "metrics-is-a-folder"])
+def test_bad_flag_exits_2_within_seconds(tmp_path, case, jax_cache):
+  """The whole process, python's start and jax's import included."""
+  args, message = BAD_FLAGS[case]
+  t0 = time.perf_counter()
+  rc, _, err = train_cli([*TINY, *args(tmp_path)], jax_cache)
+  assert rc == 2 and message in err, err
+  assert time.perf_counter() - t0 < 15
+
+
+# --- resuming with other settings
+
+
+@pytest.mark.parametrize("flags, difference", [
+    (["--lr", "1e-3"], "run.lr: checkpoint 0.003, now 0.001 (accept with --allow-change lr)"),
+    (["--batch-size", "16"], "run.batch_size: checkpoint 8, now 16 (accept with --allow-change batch_size)"),
+    (["--steps", "30"], "run.steps: checkpoint 20, now 30 (accept with --allow-change steps)"),
+    (["--dtype", "bfloat16"], "run.dtype: checkpoint 'float32', now 'bfloat16' (accept with --allow-change dtype)"),
+    (["--warmup", "5"], "run.warmup: checkpoint 30, now 5 (accept with --allow-change warmup)"),
+], ids=["lr", "batch-size", "steps", "dtype", "warmup"])
+def test_resume_with_changed_setting_is_refused(ckpt, flags, difference, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main([*TINY, "--steps", "20", "--ckpt-every", "10", "--ckpt-dir", str(ckpt), *flags])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and f"cannot resume from {ckpt} (step 20)" in err and difference in err, err
+
+
+def test_steps_extension_with_allow_change_is_recorded(ckpt, tmp_path, capsys):
+  metrics = tmp_path / "m.jsonl"
+  cli.main([*TINY, "--steps", "22", "--ckpt-every", "10", "--ckpt-dir", str(ckpt), "--metrics", str(metrics),
+            "--allow-change", "steps"])
+  assert "--allow-change steps: 20 in the checkpoint, 22 from now on" in capsys.readouterr().out
+  rows = [json.loads(line) for line in open(metrics)]
+  assert rows[0] == {"event": "resume", "step": 20, "ckpt_dir": str(ckpt), "changed": {"steps": {"from": 20, "to": 22}}}
+  assert [r["step"] for r in rows[1:]] == [21, 22]
+
+
+def test_checkpoint_with_other_array_shapes_is_one_line(tmp_path):
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "c"))
+  try:
+    ckpts.save(1, {"params": {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}, "fp8": {}}, {"seed": 0})
+    with pytest.raises(checkpoint.ResumeMismatchError) as e:
+      ckpts.restore(1, {"params": {"w": jnp.ones((3, 5)), "b": jnp.zeros(4)}, "fp8": {}})
+  finally:
+    ckpts.close()
+  assert str(e.value) == (f"cannot resume from {tmp_path / 'c'} (step 1): its arrays do not fit this model: "
+                          "params.w: checkpoint (3, 4) float32, now (3, 5) float32")

@@ -1,0 +1,50 @@
+"""One trainer per checkpoint folder: a lock file that names its holder.
+
+The lock is `fcntl.flock` on `<ckpt-dir>/attnlayers.lock`. The OS drops it when the holding
+process ends, however it ends (SIGKILL included), so a dead trainer never blocks the next one;
+the pid and host written into the file only serve the messages. A holder that exits normally
+empties the file, so finding a name in a file we could lock means the holder was killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import socket
+
+LOCK_NAME = "attnlayers.lock"
+
+
+class LockedError(RuntimeError):
+  pass
+
+
+class DirLock:
+  def __init__(self, directory: str):
+    self.path = os.path.join(directory, LOCK_NAME)
+    self.fd: int | None = None
+    self.stale_holder: str | None = None  # who held the lock last without releasing it (killed), if anyone
+
+  def acquire(self) -> None:
+    """Takes the lock or raises LockedError naming the holder; OSError if the folder is not writable."""
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not written its name yet"
+      os.close(fd)
+      raise LockedError(f"{os.path.dirname(self.path)} is in use by another trainer ({holder}); "
+                        "wait for it to finish, or give another --ckpt-dir") from None
+    self.stale_holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or None
+    since = datetime.datetime.now().isoformat(timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since {since}\n".encode(), 0)
+    os.fsync(fd)
+    self.fd = fd
+
+  def release(self) -> None:
+    if self.fd is not None:
+      os.ftruncate(self.fd, 0)  # a clean exit leaves no name behind
+      os.close(self.fd)  # closing drops the flock
+      self.fd = None

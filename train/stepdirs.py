@@ -1,0 +1,134 @@
+"""Which step folders in a checkpoint folder this program wrote, and whether they are intact.
+
+A step is saved by orbax into `<step>.saving`, then `attnlayers.json` (the manifest: size and
+sha256 of every file orbax wrote) is written into it, and only then is the folder renamed
+to `<step>`. So a folder is ours when it carries a manifest, and intact when every file it
+lists is there with the recorded size and hash. Nothing else is ever deleted: damaged steps
+are renamed to `<step>.corrupt-<n>` for a person to look at, folders without a manifest are
+left alone, and rotation deletes only older steps that carry a manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+
+MANIFEST = "attnlayers.json"
+FORMAT = "attnlayers-checkpoint"  # the manifest's "format" value; "version" is 1
+SAVING = ".saving"  # suffix of a step folder still being written
+
+
+@dataclasses.dataclass(frozen=True)
+class Listing:
+  ours: tuple[int, ...]  # steps whose folder carries a manifest, oldest first (not yet verified)
+  empty: tuple[int, ...]  # numeric folders with nothing in them: what is left of a step emptied by accident
+  foreign: tuple[int, ...]  # numeric folders with files but no manifest: not ours, never touched
+  unfinished: tuple[str, ...]  # `<step>.saving...` folders a stopped save left behind
+
+
+def step_path(directory: str, step: int) -> str:
+  return os.path.join(directory, str(step))
+
+
+def listing(directory: str) -> Listing:
+  ours, empty, foreign, unfinished = [], [], [], []
+  for name in os.listdir(directory) if os.path.isdir(directory) else []:
+    path = os.path.join(directory, name)
+    if not os.path.isdir(path):
+      continue
+    if re.fullmatch(r"\d+" + re.escape(SAVING) + r"(\..*)?", name):
+      unfinished.append(name)
+    elif re.fullmatch(r"\d+", name):
+      kind = ours if os.path.lexists(os.path.join(path, MANIFEST)) else foreign if os.listdir(path) else empty
+      kind.append(int(name))
+  return Listing(tuple(sorted(ours)), tuple(sorted(empty)), tuple(sorted(foreign)), tuple(sorted(unfinished)))
+
+
+def _files(folder: str) -> list[str]:
+  """Every file under `folder` but the manifest, as sorted '/'-separated relative paths."""
+  out = []
+  for root, _, names in os.walk(folder):
+    out += [os.path.relpath(os.path.join(root, n), folder).replace(os.sep, "/") for n in names]
+  return sorted(f for f in out if f != MANIFEST)
+
+
+def _sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def write_manifest(folder: str, step: int) -> None:
+  """Records every file in `folder`; written last, through a temporary file, so it is whole or absent."""
+  files = {f: {"bytes": os.path.getsize(os.path.join(folder, f)), "sha256": _sha256(os.path.join(folder, f))}
+           for f in _files(folder)}
+  tmp = os.path.join(folder, MANIFEST + ".tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({"format": FORMAT, "version": 1, "step": step, "files": files}, f, indent=1)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+def problem(folder: str) -> str | None:
+  """None if the step in `folder` is intact, else what is wrong, naming the file."""
+  path = os.path.join(folder, MANIFEST)
+  try:
+    with open(path, encoding="utf-8") as f:
+      manifest = json.load(f)
+    files = manifest["files"]
+    if manifest.get("format") != FORMAT or not isinstance(files, dict) or not files:
+      raise ValueError("not an attnlayers checkpoint manifest")
+  except FileNotFoundError:
+    return f"{path} is missing (the folder is empty)" if not os.listdir(folder) else f"{path} is missing"
+  except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+    return f"{path} is unreadable ({e})"
+  for name, want in files.items():
+    file = os.path.join(folder, name)
+    if not os.path.isfile(file):
+      return f"{file} is missing"
+    size = os.path.getsize(file)
+    if size != want["bytes"]:
+      return f"{file} has {size} bytes, {want['bytes']} when it was saved (truncated or overwritten)"
+    if _sha256(file) != want["sha256"]:
+      return f"{file} has changed since it was saved (its sha256 differs from the manifest's)"
+  return None
+
+
+def set_aside(directory: str, step: int) -> str:
+  """Renames step `step` to the first free `<step>.corrupt-<n>`; returns the new path."""
+  n = 1
+  while os.path.lexists(os.path.join(directory, f"{step}.corrupt-{n}")):
+    n += 1
+  new = os.path.join(directory, f"{step}.corrupt-{n}")
+  os.rename(step_path(directory, step), new)
+  return new
+
+
+def saving_path(directory: str, step: int) -> str:
+  return os.path.join(directory, f"{step}{SAVING}")
+
+
+def finish(directory: str, step: int) -> None:
+  """Seals a step orbax has written into `<step>.saving`: manifest, then the rename that publishes it."""
+  write_manifest(saving_path(directory, step), step)
+  os.rename(saving_path(directory, step), step_path(directory, step))
+
+
+def remove_unfinished(directory: str, names: tuple[str, ...]) -> None:
+  for name in names:
+    shutil.rmtree(os.path.join(directory, name))
+
+
+def rotate(directory: str, keep: int) -> list[int]:
+  """Deletes all but the newest `keep` steps that carry a manifest; returns the deleted steps."""
+  old = listing(directory).ours[:-keep]
+  for step in old:
+    shutil.rmtree(step_path(directory, step))
+  return list(old)
