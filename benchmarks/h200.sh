@@ -15,8 +15,8 @@ if [[ $PART == all || $PART == kernels ]]; then
   python -m benchmarks.layer --sections default heads headdim --levels core --out "$PARTS/more"
 fi
 if [[ $PART == all || $PART == layer ]]; then
-  python -m benchmarks.layer --sections seq --levels core layer --seqs 256 1024 4096 16384 --out "$PARTS/seq"
-  python -m benchmarks.layer --sections batch --levels core --batches 1 4 16 --out "$PARTS/batch"
+  python -m benchmarks.layer --sections seq --levels core layer --seqs 1024 4096 16384 --out "$PARTS/seq"
+  python -m benchmarks.layer --sections batch --levels core --batches 1 16 --out "$PARTS/batch"
 fi
 if [[ $PART == all || $PART == train ]]; then
   python -m benchmarks.train --seq-len 1024 8192 --batch-size 32 4 --steps 20 --run-timeout 90 --out "$OUT"

@@ -178,7 +178,7 @@ def test_token_shards_are_read_and_batches_are_deterministic(tmp_path):
   assert not np.array_equal(x, ds.batch("train", 3, 6, 4, 16)[0])
 
 
-def test_embedded_corpus_is_split_by_file():
+def test_stdlib_corpus_is_split_by_file():
   ds = data.load(None, 128)
   assert len(ds.train) > 50 and len(ds.val) > 5 and ds.vocab_size == 256
   assert not any(v is t for v in ds.val for t in ds.train)

@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
   p.add_argument("--data", help="text file, folder of text, or 'DIR/*.bin' token shards; default: "
-                                "the Python standard library's source, embedded")
+                                "the installed Python's standard library sources, read at run time (no download)")
   p.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: none")
   p.add_argument("--ckpt-every", type=one, default=100,
                  help="steps between checkpoints (the last step is always saved)")

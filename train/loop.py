@@ -49,7 +49,7 @@ class TrainConfig:
   weight_decay: float = 0.1  # AdamW decay on matrices
   clip: float = 1.0  # global gradient norm
   seed: int = 0  # parameters, data order and dropout
-  data: str | None = None  # see train.data; None = the embedded corpus
+  data: str | None = None  # see train.data; None = the installed Python's standard library sources
   ckpt_dir: str | None = None  # resume from and save to; None = no checkpoints
   ckpt_every: int = 100  # steps between checkpoints (the last step is always saved)
   eval_every: int = 100  # steps between validation losses; 0 = none
