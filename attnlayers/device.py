@@ -3,7 +3,9 @@
 Backends decide whether they can run from these facts (never from GPU names), so
 `explain()` can say exactly which requirement a machine misses. The device is the one the
 arrays live on; for traced arrays (inside jit), which carry no device, it is the device jit
-places the computation on: the mesh in context, else jax's default device.
+places uncommitted work on: the mesh in context, else jax's default device. A jitted call
+whose inputs were committed elsewhere (jax.device_put(x, cpu) on a GPU machine) is not seen
+from inside the trace: decide outside jit, or set jax.default_device for that work.
 """
 
 from __future__ import annotations

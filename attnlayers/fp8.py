@@ -25,6 +25,7 @@ from flax import nnx
 from attnlayers import device as device_lib
 from attnlayers import spec
 from attnlayers.backends import te_fp8
+from attnlayers.backends._reasons import is_default_precision
 from attnlayers.plan import BackendUnavailableError
 
 OPERANDS = ("x", "kernel", "grad")  # what TE quantises in one dense: input, weight, output gradient
@@ -90,6 +91,9 @@ class TEFp8DotGeneral(nnx.Module):
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     if lhs_batch or rhs_batch:
       raise ValueError(f"FP8 projections take no batch dims in dot_general; got {dimension_numbers}")
+    if not is_default_precision(precision):
+      raise ValueError(f"FP8 projections quantise their operands to E4M3, so they cannot apply precision={precision}; "
+                       "use backend='te' (bf16 GEMMs) for a matmul precision")
     if out_sharding is not None:
       raise ValueError("FP8 projections take no out_sharding; shard the inputs instead")
     if tuple(lhs_contract) != tuple(range(lhs.ndim - len(lhs_contract), lhs.ndim)) or \

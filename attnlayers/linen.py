@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax import lax
 
-from attnlayers import backends
+from attnlayers import backends, spec
 from attnlayers.flax_attention import BackendAttention
 
 
@@ -72,8 +72,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     inputs_k, inputs_v = self._kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
-    if self.num_kv_heads is not None and (not isinstance(self.num_kv_heads, int) or self.num_kv_heads <= 0):  # ours
-      raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None); got {self.num_kv_heads!r}")
+    spec.check_num_kv_heads(self.num_kv_heads)  # ours
     num_kv_heads = self.num_kv_heads or self.num_heads  # ours
     if qkv_features % self.num_heads:
       raise ValueError(f"Memory dimension ({qkv_features}) must be divisible by number of heads ({self.num_heads}).")

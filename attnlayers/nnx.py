@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from attnlayers import backends, fp8
+from attnlayers import backends, fp8, spec
 from attnlayers.flax_attention import BackendAttention
 
 
@@ -44,10 +44,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   def __init__(self, *args, backend: str = backends.AUTO, is_causal: bool = False, attention_fn=None,
                fp8_recipe: fp8.FP8Recipe | None = None, **kwargs):
     backends.check_name(backend)
-    kv_heads = kwargs.get("num_kv_heads")
-    if kv_heads is not None and (not isinstance(kv_heads, int) or kv_heads <= 0):
-      raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None for num_heads); "
-                       f"got {kv_heads!r}")
+    spec.check_num_kv_heads(kwargs.get("num_kv_heads"))
     if attention_fn is not None and backend != backends.AUTO:
       raise ValueError(f"pass either attention_fn= or backend= ({backend!r}), not both: a custom "
                        "attention_fn replaces the backend's kernel")

@@ -82,6 +82,13 @@ def _check_broadcast(name: str, x, target: tuple[int, ...], letters: str) -> tup
   return shape
 
 
+def check_num_kv_heads(num_kv_heads) -> None:
+  """A layer's num_kv_heads: None (= num_heads) or a positive int (its divisibility is checked with num_heads)."""
+  if num_kv_heads is not None and (not isinstance(num_kv_heads, int) or num_kv_heads <= 0):
+    raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None for num_heads); "
+                     f"got {num_kv_heads!r}")
+
+
 def _array_like(name: str, x):
   if not (hasattr(x, "shape") and hasattr(x, "dtype") and hasattr(x, "ndim")):
     raise TypeError(f"{name} must be an array (jax.Array, numpy.ndarray or jax.ShapeDtypeStruct); "

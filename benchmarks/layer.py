@@ -143,7 +143,9 @@ def run_case(c: Case, matmul: float, calls: int, warmup: int, reference=None) ->
   if explained.notes and c.backend not in RAW:
     row["note"] = "; ".join(explained.notes)  # e.g. te-fp8: whether its core ran in FP8, and if not why
   if c.backend == "naive" and c.B * c.N * c.T * c.T * 4 * (2 if c.pass_ == "fwd+bwd" else 1) > NAIVE_LIMIT_BYTES:
-    return row | {"status": "skipped", "reason": f"naive's (B, N, T, S) float32 scores exceed {NAIVE_LIMIT_BYTES / 2**30:.0f} GiB"}
+    what = "scores and their gradient" if c.pass_ == "fwd+bwd" else "scores"
+    return row | {"status": "skipped", "reason": f"naive's (B, N, T, S) float32 {what} need more than "
+                                                 f"{NAIVE_LIMIT_BYTES / 2**30:.0f} GiB"}
   try:
     fn, args = _program(c)
     jitted = jax.jit(fn)
@@ -171,7 +173,7 @@ def _reference(c: Case):
 FLOPS_NOTE = ("`tflops` counts the FLOPs the math needs (benchmarks.flops): attention 4·B·N·T·S·H forward, "
               "halved when causal, x3 forward+backward (no flash recomputation), plus the layer's projections. "
               "Every backend executes at least that, so it is a lower bound of the hardware's rate. `vs_matmul`: "
-              "that rate over an 8192³ bf16 matmul timed in the same process; te-fp8 rows may exceed 1 (FP8).")
+              "that rate over a bf16 matmul of size `matmul_n`³ timed in the same process; te-fp8 rows may exceed 1 (FP8).")
 COLUMNS = ["section", "level", "backend", "dtype", "B", "T", "N", "K", "H", "causal", "pass", "status", "median_ms",
            "p10_ms", "p90_ms", "tflops", "vs_matmul", "memory_gib"]
 

@@ -26,8 +26,8 @@ from benchmarks import common, report
 
 FP8_CORE = "fp8-or-bf16"  # te-fp8 rows: FP8 core where the model's head dim qualifies, else bf16
 COLUMN_NOTE = ("`mfu`: nanoGPT/PaLM model FLOPs (6N + 12·L·n_head·head_dim·T per token, full attention square "
-               "even for causal) over the datasheet dense bf16 peak. `vs_matmul`: the same model FLOP/s over an "
-               "8192³ bf16 matmul timed by this benchmark's parent process after the runs.")
+               "even for causal) over the datasheet dense bf16 peak. `vs_matmul`: the same model FLOP/s over a "
+               "bf16 matmul of size `matmul_n`³ timed by this benchmark's parent process after the runs.")
 
 
 def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int, timeout_s: float) -> dict:

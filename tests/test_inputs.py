@@ -133,3 +133,32 @@ def test_fp8_unavailable_is_a_backend_unavailable_error():
   err = FP8Unavailable(["no GPU here"])
   assert isinstance(err, attnlayers.BackendUnavailableError)
   assert err.backend == "te-fp8" and err.reasons == ("no GPU here",) and "no GPU here" in str(err)
+
+
+def test_te_fp8_refuses_weights_and_dropout_with_either_core(monkeypatch):
+  """On a device where the FP8 core qualifies, te-fp8 must still refuse what no fused kernel does."""
+  from attnlayers import device as device_lib
+  from attnlayers import spec
+  from attnlayers.backends import te_fp8
+  h200 = device_lib.DeviceInfo("gpu", "NVIDIA H200", (9, 0), 91900)
+  monkeypatch.setattr(device_lib, "of", lambda *arrays: h200)
+  monkeypatch.setattr(device_lib, "has_module", lambda name: True)
+  x = jnp.zeros((2, 128, 4, 128), jnp.bfloat16)  # an FP8-core shape
+
+  def unmet(**kwargs):  # te-fp8's own answer (plan() would also ask te, which imports TransformerEngine)
+    dropout = spec.Dropout(0.1, jax.random.key(0)) if kwargs.pop("dropout", False) else None
+    return te_fp8.unmet(spec.describe(x, x, x, spec.options(scale=None, is_causal=True, head_dim=128,
+                                                            dropout=dropout, **kwargs)))
+  assert unmet() == []  # the call itself runs on the FP8 core
+  for kwargs, reason in ((dict(return_weights=True), "never materialises"), (dict(dropout=True), "no dropout")):
+    for mode in ("fp8", "fp8-or-bf16"):
+      assert any(reason in r for r in unmet(fp8_core=mode, **kwargs)), (kwargs, mode)
+  assert any("cannot apply precision" in r for r in unmet(precision=jax.lax.Precision.HIGHEST))
+
+
+@pytest.mark.parametrize("kv_heads", [0, -2])
+def test_linen_kv_heads_must_be_positive(kv_heads):
+  import attnlayers.linen as al
+  layer = al.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=kv_heads)
+  with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+    layer.init(jax.random.key(0), jnp.ones((1, 8, 64)))

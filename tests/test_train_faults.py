@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -169,6 +170,21 @@ def test_foreign_folder_where_a_step_would_be_saved_is_refused(ckpt):
   assert (ckpt / "30" / "notes.txt").read_text() == "notes"
 
 
+def test_fresh_run_refuses_a_foreign_folder_where_it_would_save_before_training(tmp_path, monkeypatch):
+  (tmp_path / "c" / "20").mkdir(parents=True)
+  (tmp_path / "c" / "20" / "notes.txt").write_text("notes")
+  monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built a model before refusing"))
+  with pytest.raises(checkpoint.CheckpointError, match="holds folders named 20 without attnlayers.json"):
+    loop.run(tiny(tmp_path / "c", steps=20))
+  assert (tmp_path / "c" / "20" / "notes.txt").read_text() == "notes"
+
+
+def test_missing_data_is_refused_before_the_checkpoint_folder_is_touched(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no such file or folder"):
+    loop.run(tiny(tmp_path / "c", data=str(tmp_path / "missing.txt")))
+  assert not (tmp_path / "c").exists()
+
+
 # --- one trainer per folder
 
 HOLD_LOCK = ("import sys, time\nfrom train.lock import DirLock\nDirLock(sys.argv[1]).acquire()\n"
@@ -277,7 +293,16 @@ BAD_FLAGS = {
     "ckpt-dir-read-only": (lambda d: ["--ckpt-dir", _read_only_dir(d)], "cannot write there"),
     "metrics-is-a-folder": (lambda d: ["--metrics", str(d)], "is a folder; give a file path"),
     "profile-dir-is-a-file": (lambda d: ["--steps", "20", "--profile-dir", _file(d)], "is a file; give a folder"),
+    "profile-dir-unwritable": (lambda d: ["--steps", "20", "--profile-dir", "/proc/attnlayers-trace"],
+                               "--profile-dir /proc/attnlayers-trace: cannot write there"),
+    "multihost-partial": (lambda d: ["--num-processes", "2"], "multi-host runs need all of --coordinator-address"),
+    "multihost-process-id": (lambda d: ["--coordinator-address", "127.0.0.1:1", "--num-processes", "1",
+                                        "--process-id", "3"], "--process-id 3 must be below --num-processes 1"),
 }
+
+
+if jax.default_backend() == "cpu":  # float16 matmuls exist on GPUs
+  BAD_FLAGS["float16-on-cpu"] = (lambda d: ["--dtype", "float16"], "--dtype float16 needs a GPU")
 
 
 @pytest.mark.parametrize("case", list(BAD_FLAGS))

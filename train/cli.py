@@ -15,6 +15,7 @@ import sys
 import jax
 
 import attnlayers
+from attnlayers import spec
 import models
 from attnlayers.fp8 import FP8Unavailable
 from train import checkpoint, lock, loop, signals
@@ -70,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--n-head", type=one, help="query heads; default: the preset's")
   p.add_argument("--d-model", type=one, help="model width (head dim = d_model / n_head); default: the preset's")
   p.add_argument("--kv-heads", type=one, help="key/value heads (GQA/MQA); default: the preset's")
-  p.add_argument("--fp8-core", choices=["fp8", "fp8-or-bf16", "bf16"], default="fp8",
+  p.add_argument("--fp8-core", choices=spec.FP8_CORE_MODES, default="fp8",
                  help="--attn te-fp8 only: its attention core in FP8 (refused where cuDNN's FP8 attention cannot "
                       "take the model, e.g. head dim != 128), FP8 where it can else bf16, or bf16")
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
@@ -86,9 +87,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: none")
   p.add_argument("--ckpt-every", type=one, default=100,
                  help="steps between checkpoints (the last step is always saved)")
-  p.add_argument("--allow-change", type=_setting, choices=loop.TRAJECTORY, action="append", default=[],
+  changeable = [k for k in loop.TRAJECTORY if k not in ("weight_decay", "clip")]  # those have no flag
+  p.add_argument("--allow-change", type=_setting, choices=changeable, action="append", default=[],
                  metavar="SETTING", help="let a resume change this setting from the checkpoint's (one of "
-                 f"{', '.join(loop.TRAJECTORY)}; repeatable); the change is recorded in --metrics; default: "
+                 f"{', '.join(changeable)}; repeatable); the change is recorded in --metrics; default: "
                  "a resume must keep them all")
   p.add_argument("--eval-every", type=zero, default=100, help="steps between validation losses; 0: none")
   p.add_argument("--log-every", type=one, default=10, help="steps between metrics records")
@@ -119,6 +121,19 @@ def main(argv=None) -> None:
         profile_dir=a.profile_dir, allow_change=tuple(a.allow_change))
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  if a.dtype == "float16" and jax.default_backend() == "cpu":
+    print("error: --dtype float16 needs a GPU: XLA's CPU backend has no float16 matmul with float32 "
+          "accumulation; use --dtype bfloat16 or float32 here", file=sys.stderr)
+    sys.exit(2)
+  multihost = (a.coordinator_address, a.num_processes, a.process_id)
+  if any(x is not None for x in multihost) and any(x is None for x in multihost):
+    print("error: multi-host runs need all of --coordinator-address, --num-processes and --process-id "
+          f"(got {', '.join(n for n, x in zip(('--coordinator-address', '--num-processes', '--process-id'), multihost) if x is not None)})",
+          file=sys.stderr)
+    sys.exit(2)
+  if a.process_id is not None and a.process_id >= a.num_processes:
+    print(f"error: --process-id {a.process_id} must be below --num-processes {a.num_processes}", file=sys.stderr)
     sys.exit(2)
   if a.coordinator_address:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo

@@ -104,7 +104,17 @@ def stdlib_files() -> list[str]:
   return sorted(glob.glob(os.path.join(root, "*.py")))
 
 
+def check_source(spec: str | None) -> None:
+  """Raises FileNotFoundError where `spec` names nothing; cheap, so callers check it before other work."""
+  if spec is None or os.path.exists(spec) or (spec.endswith(".bin") and glob.glob(spec)):
+    return
+  if spec.endswith(".bin"):
+    raise FileNotFoundError(f"--data {spec!r} matches no files")
+  raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")
+
+
 def load(spec: str | None, seq_len: int) -> Dataset:
+  check_source(spec)
   if spec is None:
     return _split_bytes("python-stdlib", stdlib_files(), seq_len)
   if spec.endswith(".bin"):

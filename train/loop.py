@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 import os
+import tempfile
 import time
 
 import jax
@@ -160,6 +161,12 @@ def _open_outputs(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[checkp
   """Locks the checkpoint folder and opens the metrics file: every path problem, before any work."""
   if cfg.profile_dir and os.path.exists(cfg.profile_dir) and not os.path.isdir(cfg.profile_dir):
     raise ValueError(f"--profile-dir {cfg.profile_dir}: is a file; give a folder for the trace")
+  if cfg.profile_dir:
+    try:  # the trace is written after steps have run: make sure it can be
+      os.makedirs(cfg.profile_dir, exist_ok=True)
+      tempfile.TemporaryFile(dir=cfg.profile_dir, prefix=".attnlayers-probe-").close()
+    except OSError as e:
+      raise ValueError(f"--profile-dir {cfg.profile_dir}: cannot write there ({e.strerror})") from None
   ckpts = checkpoint.Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
   if ckpts:
     stack.callback(ckpts.close)
@@ -183,15 +190,16 @@ def _load_data(cfg: TrainConfig) -> data.Dataset:
 def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile) -> int:
   """The newest checkpoint that verifies and belongs to this run (0: a fresh run); refuses another run's."""
   step = ckpts.newest_intact() if ckpts else None
+  if ckpts:  # fresh or resumed: a folder that is not ours where this run would save stops it now, not at the save
+    saves = [s for s in range((step or 0) + 1, cfg.steps + 1) if s % cfg.ckpt_every == 0 or s == cfg.steps]
+    blocked = sorted(set(ckpts.listing().foreign) & set(saves))
+    if blocked:
+      raise checkpoint.CheckpointError(
+          f"{ckpts.directory} holds folders named {', '.join(map(str, blocked))} without {stepdirs.MANIFEST}; "
+          "this run would save those steps there: move them, or give another --ckpt-dir")
   if step is None:
     return 0
   changes = ckpts.check_resume(step, meta, cfg.allow_change)
-  saves = [s for s in range(step + 1, cfg.steps + 1) if s % cfg.ckpt_every == 0 or s == cfg.steps]
-  blocked = sorted(set(ckpts.listing().foreign) & set(saves))
-  if blocked:
-    raise checkpoint.CheckpointError(
-        f"{ckpts.directory} holds folders named {', '.join(map(str, blocked))} without {stepdirs.MANIFEST}; "
-        "this run would save those steps there: move them, or give another --ckpt-dir")
   out.write({"event": "resume", "step": step, "ckpt_dir": ckpts.directory, "changed": changes})
   for k, c in changes.items():
     print(f"--allow-change {k}: {c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
@@ -285,6 +293,8 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
         loss = _report(s, step, state, loss_arr, bar, evaluate=evaluate, save=save)
       if stopping:
         raise _stopped(s, step, saved=save)
+    if s.stop.received is not None:  # it came during the last step's report, which saved that step
+      raise _stopped(s, cfg.steps, saved=s.ckpts is not None)
   finally:
     profiler.close()
     bar.close()
@@ -332,6 +342,7 @@ def run(cfg: TrainConfig) -> dict:
   t_start = time.perf_counter()
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(signals.StopRequests())
+    data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
     ckpts, out = _open_outputs(cfg, stack)
     dataset = _load_data(cfg)
     if cfg.batch_size % jax.device_count():
