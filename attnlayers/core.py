@@ -8,12 +8,13 @@ from attnlayers import backends, spec
 from attnlayers.plan import BackendUnavailableError, Plan, plan
 
 
-def _options(q, *, is_causal, mask, bias, scale, dropout_rate, dropout_rng, broadcast_dropout, precision,
-             return_weights, fp8_core) -> spec.Options:
+def _plan(backend, q, k, v, *, dropout_rate, dropout_rng, broadcast_dropout, **kwargs) -> tuple[Plan, spec.Options]:
+  """The checks every call passes, then the plan: what explain() reports and attention() runs."""
+  spec.check_array_args(q, k, v)
   dropout = spec.Dropout(dropout_rate, dropout_rng, broadcast_dropout) if dropout_rate else None
-  head_dim = q.shape[-1] if getattr(q, "ndim", 0) == 4 else 1  # describe() reports a wrong rank
-  return spec.options(scale=scale, is_causal=is_causal, mask=mask, bias=bias, dropout=dropout, precision=precision,
-                      return_weights=return_weights, fp8_core=fp8_core, head_dim=head_dim)
+  head_dim = q.shape[-1] if q.ndim == 4 else 1  # describe() reports a wrong rank
+  opts = spec.options(dropout=dropout, head_dim=head_dim, **kwargs)
+  return plan(backend, spec.describe(q, k, v, opts)), opts
 
 
 def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=None, scale: float | None = None,
@@ -25,11 +26,9 @@ def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=N
   validates them the same way; runs nothing. `str(plan)` is a readable report; `plan.chosen`,
   `plan.unmet`, `plan.runnable`, `plan.notes` are the facts.
   """
-  spec.check_array_args(q, k, v)
-  opts = _options(q, is_causal=is_causal, mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate,
-                  dropout_rng=dropout_rng if dropout_rate else None, broadcast_dropout=broadcast_dropout,
-                  precision=precision, return_weights=return_weights, fp8_core=fp8_core)
-  return plan(backend, spec.describe(q, k, v, opts))
+  return _plan(backend, q, k, v, is_causal=is_causal, mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate,
+               dropout_rng=dropout_rng if dropout_rate else None, broadcast_dropout=broadcast_dropout,
+               precision=precision, return_weights=return_weights, fp8_core=fp8_core)[0]
 
 
 def attention(
@@ -74,11 +73,9 @@ def attention(
   Returns:
     (B, T, N, H) in q's dtype, or (out, weights) when return_weights.
   """
-  spec.check_array_args(q, k, v)
-  opts = _options(q, is_causal=is_causal, mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate,
-                  dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, precision=precision,
-                  return_weights=return_weights, fp8_core=fp8_core)
-  chosen = plan(backend, spec.describe(q, k, v, opts))
+  chosen, opts = _plan(backend, q, k, v, is_causal=is_causal, mask=mask, bias=bias, scale=scale,
+                       dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
+                       precision=precision, return_weights=return_weights, fp8_core=fp8_core)
   if not chosen.ok:
     raise BackendUnavailableError.from_plan(chosen)
   return backends.REGISTRY[chosen.chosen].run(q, k, v, opts)

@@ -113,7 +113,7 @@ def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None =
                     "fused kernels); got a traced value. Pass it as a constant, or scale q by it and pass scale=1.0.")
   elif not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) or np.ndim(scale) != 0:
     raise TypeError(f"scale must be a real number; got {scale!r}")
-  scale = float(scale) if scale is not None else scale
+  scale = float(scale)
   if not (math.isfinite(scale) and scale > 0):
     raise ValueError(f"scale must be a finite number > 0 (default 1/sqrt(H)); got {scale}")
   if fp8_core not in FP8_CORE_MODES:
