@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from attnlayers import backends, spec
 from attnlayers.plan import BackendUnavailableError, Plan, plan
@@ -19,7 +19,8 @@ def _plan(backend, q, k, v, *, dropout_rate, dropout_rng, broadcast_dropout, **k
 
 def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=None, scale: float | None = None,
             dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = True, precision=None,
-            return_weights: bool = False, fp8_core: str = "fp8") -> Plan:
+            return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
+            causal_alignment: str = "top-left") -> Plan:
   """Which backend would run this call (for `auto`: which it picks) and every unmet requirement.
 
   Takes exactly the arguments of `attention()` (q, k, v may be jax.ShapeDtypeStruct) and
@@ -28,7 +29,9 @@ def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=N
   """
   return _plan(backend, q, k, v, is_causal=is_causal, mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate,
                dropout_rng=dropout_rng if dropout_rate else None, broadcast_dropout=broadcast_dropout,
-               precision=precision, return_weights=return_weights, fp8_core=fp8_core)[0]
+               precision=precision, return_weights=return_weights, fp8_core=fp8_core,
+               query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+               causal_alignment=causal_alignment)[0]
 
 
 def attention(
@@ -47,6 +50,9 @@ def attention(
     precision=None,
     return_weights: bool = False,
     fp8_core: str = "fp8",
+    query_seq_lengths: Int[Array, "B"] | None = None,
+    key_value_seq_lengths: Int[Array, "B"] | None = None,
+    causal_alignment: str = "top-left",
 ):
   """Scaled dot-product attention on the chosen kernel.
 
@@ -69,13 +75,22 @@ def attention(
     fp8_core: te-fp8 only: "fp8" (the default: cuDNN FP8 attention, or refuse the call with
       the reasons), "fp8-or-bf16" (FP8 where the call qualifies, else TransformerEngine's
       bf16 kernel; explain() says which) or "bf16".
+    query_seq_lengths, key_value_seq_lengths: int (B,): row b has Tb real queries and Sb real
+      keys (right padding; default T and S). Query (b, t) attends key s only if t < Tb and s < Sb.
+    causal_alignment: with is_causal, "top-left" (query t attends keys s <= t) or
+      "bottom-right" (s <= t + Sb - Tb: the queries are the row's last Tb keys, as when new
+      tokens attend to a KV cache). A decode step is T = 1, bottom-right, Sb = cache position + 1.
+    Queries that are padding, or that lengths and causality leave with no key, output exactly 0
+    (zero gradients) on every backend. Traced lengths outside [0, T] / [0, S] make their row NaN.
 
   Returns:
     (B, T, N, H) in q's dtype, or (out, weights) when return_weights.
   """
   chosen, opts = _plan(backend, q, k, v, is_causal=is_causal, mask=mask, bias=bias, scale=scale,
                        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-                       precision=precision, return_weights=return_weights, fp8_core=fp8_core)
+                       precision=precision, return_weights=return_weights, fp8_core=fp8_core,
+                       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                       causal_alignment=causal_alignment)
   if not chosen.ok:
     raise BackendUnavailableError.from_plan(chosen)
   return backends.REGISTRY[chosen.chosen].run(q, k, v, opts)

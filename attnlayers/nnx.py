@@ -15,15 +15,24 @@ With backend="te-fp8" the q/k/v/out projections run as TransformerEngine FP8 GEM
 scaling state is FP8Meta variables beside the parameters (see attnlayers.fp8), which a
 training step must carry: `nnx.split(layer, nnx.Param, FP8Meta)`.
 
-In decode mode the cache's own position mask makes the one new query causal, so
-`is_causal` is not applied to it.
+Decoding (attnlayers.kv_cache says why it differs from Flax's cache):
+
+  layer.init_cache((*batch, max_length, in_features))   # dtype: the compute dtype by default
+  y = layer(x, decode=True)                  # x (*batch, T, in_features): T >= 1 new tokens per row
+  y = layer(x, decode=True, lengths=lens)    # lens (*batch,): real tokens among the T (right padding)
+
+The cache holds num_kv_heads heads, `cache_index` one position per sequence. A call writes
+its tokens at each row's position and attends, in one attention call, to that row's cache
+up to and including them (bottom-right causal); T == 1 without lengths computes exactly what
+Flax's decode step computes. Decoding past `max_length` is an error (NaN rows under jit).
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
-from attnlayers import backends, fp8, spec
+from attnlayers import backends, fp8, kv_cache, spec
 from attnlayers.flax_attention import BackendAttention
 
 
@@ -57,9 +66,73 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     if backend == "te-fp8":
       fp8.use_fp8_projections(self, fp8_recipe or fp8.FP8Recipe())
 
+  def init_cache(self, input_shape, dtype=None):
+    """Flax's init_cache with the compute dtype as default and one position per sequence.
+
+    input_shape: (*batch, max_length, in_features). cached_key / cached_value: (*batch, max_length,
+    num_kv_heads, head_dim) in `dtype` (default: the layer's dtype, else its param_dtype);
+    cache_index: int32 (*batch,).
+    """
+    super().init_cache(input_shape, self.dtype or self.param_dtype if dtype is None else dtype)
+    self.cache_index = nnx.Cache(jnp.zeros(tuple(input_shape[:-2]), jnp.int32))
+
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, is_causal: bool | None = None,
-               decode: bool | None = None, **kwargs):
+               decode: bool | None = None, lengths=None, **kwargs):
     causal = self.is_causal if is_causal is None else is_causal
     if (self.decode if decode is None else decode):
-      causal = False  # the cache mask already limits the new query to positions <= its own
+      if not isinstance(self.attention_fn, BackendAttention):  # a custom attention_fn takes Flax's arguments only
+        if lengths is not None or inputs_q.shape[-2] != 1:
+          raise ValueError("with a custom attention_fn the cache decodes one token per call, as Flax's does; "
+                           "chunked prefill and lengths= need the layer's own backends")
+        return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=False, decode=True, **kwargs)
+      return self._decode(inputs_q, inputs_k, inputs_v, lengths=lengths, **kwargs)
+    if lengths is not None:
+      raise ValueError("lengths= counts the new tokens of a decode call; pass decode=True (or a mask otherwise)")
     return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode, **kwargs)
+
+  def _decode(self, inputs_q, inputs_k, inputs_v, *, lengths, mask=None, deterministic=None, rngs=None,
+              sow_weights: bool = False, out_sharding=None, qkv_sharding=None):
+    """The new tokens into the cache, attending to the row's cache up to themselves (module docstring)."""
+    inputs_k = inputs_q if inputs_k is None else inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    if inputs_q.shape[-1] != self.in_features:
+      raise ValueError(f"Incompatible input dimension, got {inputs_q.shape[-1]} but module expects {self.in_features}.")
+    if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+      raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
+    query = self.query(inputs_q, out_sharding=qkv_sharding)  # (*batch, T, N, H)
+    key = self.key(inputs_k, out_sharding=qkv_sharding)  # (*batch, T, K, H)
+    value = self.value(inputs_v, out_sharding=qkv_sharding)
+    if self.normalize_qk:
+      query, key = self.query_ln(query), self.key_ln(key)
+    *batch, max_length, num_kv_heads, head_dim = self.cached_key.shape
+    batch, T = tuple(batch), query.shape[-3]
+    if key.shape != (*batch, T, num_kv_heads, head_dim) or query.shape[:-2] != (*batch, T):
+      raise ValueError(f"Autoregressive cache shape error: the cache is (*batch, max_length, K, H) = "
+                       f"{self.cached_key.shape}, so this call's keys must be {(*batch, T, num_kv_heads, head_dim)} "
+                       f"with queries {(*batch, T)} + (N, H); got keys {key.shape}, queries {query.shape}")
+    lengths = kv_cache.check_lengths(lengths, batch, T)  # (*batch,)
+    index = jnp.broadcast_to(self.cache_index[...], batch).astype(jnp.int32)  # (*batch,)
+    kv_cache.check_room(index, lengths, max_length)
+    flat = lambda x: x.reshape((-1, *x.shape[len(batch):]))  # (*batch, ...) -> (B, ...)
+    new_k, new_v = (kv_cache.write(flat(c[...]), flat(x), index.reshape(-1)).reshape(c.shape)
+                    for c, x in ((self.cached_key, key), (self.cached_value, value)))
+    self.cached_key[...], self.cached_value[...] = new_k, new_v
+    self.cache_index[...] = index + lengths
+    dropout_rng = None
+    if self.dropout_rate > 0.0:
+      deterministic = self.deterministic if deterministic is None else deterministic
+      if deterministic is None:
+        raise ValueError("No `deterministic` argument was provided to MultiHeadAttention as either a __call__ "
+                         "argument, class attribute, or nnx.flag.")
+      if not deterministic:
+        stream = self.rngs if rngs is None else (rngs.dropout if isinstance(rngs, nnx.Rngs) else rngs)
+        if stream is None:
+          raise ValueError("'rngs' must be provided to __call__ method if MultiHeadAttention instance is defined "
+                           "with keep_rngs=False.")
+        dropout_rng = stream()
+    x = self.attention_fn(
+        query, new_k, new_v, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout, deterministic=dropout_rng is None, dtype=self.dtype,
+        precision=self.precision, module=self if sow_weights else None, is_causal=True,
+        causal_alignment="bottom-right", query_seq_lengths=lengths, key_value_seq_lengths=index + lengths)
+    return self.out(x, out_sharding=out_sharding)

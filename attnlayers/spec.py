@@ -27,6 +27,12 @@ from attnlayers import device as device_lib
 #   "bf16"         always TransformerEngine's bf16 kernel.
 FP8_CORE_MODES = ("fp8", "fp8-or-bf16", "bf16")
 
+# Where a causal query block sits against the keys (per row, after the lengths below):
+#   "top-left"      query t attends keys s <= t (jax.nn.dot_product_attention, cuDNN's CAUSAL).
+#   "bottom-right"  query t attends keys s <= t + Sb - Tb: the queries are the last Tb of the
+#                   row's Sb keys, as when new tokens attend to a KV cache (TE's BOTTOM_RIGHT).
+CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
+
 
 @dataclasses.dataclass(frozen=True)
 class Dropout:
@@ -47,6 +53,13 @@ class Options:
   precision: object = None  # a jax.lax.Precision for the score and value matmuls, or None
   return_weights: bool = False  # also return the (B, N, T, S) weights (naive only)
   fp8_core: str = "fp8"  # te-fp8 only: one of FP8_CORE_MODES
+  query_seq_lengths: object = None  # int (B,): row b has Tb real queries, t >= Tb are padding
+  key_value_seq_lengths: object = None  # int (B,): row b has Sb real keys, s >= Sb are padding
+  causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS (with is_causal)
+
+  @property
+  def has_lengths(self) -> bool:
+    return self.query_seq_lengths is not None or self.key_value_seq_lengths is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +80,18 @@ class Call:
   precision: object  # None, or a jax.lax.Precision the caller asked for
   fp8_core: str  # te-fp8's core mode, one of FP8_CORE_MODES
   device: device_lib.DeviceInfo
+  q_lengths: bool = False  # query_seq_lengths given (query padding per row)
+  kv_lengths: bool = False  # key_value_seq_lengths given (key padding per row)
+  causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS
+
+  @property
+  def has_lengths(self) -> bool:
+    return self.q_lengths or self.kv_lengths
+
+  @property
+  def bottom_right(self) -> bool:
+    """Causal with the queries at the end of the keys, where that differs from top-left (T != S or lengths)."""
+    return self.is_causal and self.causal_alignment == "bottom-right" and (self.T != self.S or self.has_lengths)
 
   def shape_str(self) -> str:
     return f"B{self.B} T{self.T} S{self.S} N{self.N} K{self.K} H{self.H} {self.dtype.name}"
@@ -102,7 +127,8 @@ def check_array_args(q, k, v) -> None:
 
 
 def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None = None, precision=None,
-            return_weights: bool = False, fp8_core: str = "fp8", head_dim: int) -> Options:
+            return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
+            causal_alignment: str = "top-left", head_dim: int) -> Options:
   """Validates the scalar options of a call (scale, is_causal, fp8_core) and returns them as one Options."""
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
@@ -118,12 +144,33 @@ def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None =
     raise ValueError(f"scale must be a finite number > 0 (default 1/sqrt(H)); got {scale}")
   if fp8_core not in FP8_CORE_MODES:
     raise ValueError(f"fp8_core must be one of {', '.join(map(repr, FP8_CORE_MODES))}; got {fp8_core!r}")
+  if causal_alignment not in CAUSAL_ALIGNMENTS:
+    raise ValueError(f"causal_alignment must be one of {', '.join(map(repr, CAUSAL_ALIGNMENTS))}; got {causal_alignment!r}")
+  if causal_alignment != "top-left" and not is_causal:
+    raise ValueError(f"causal_alignment={causal_alignment!r} places a causal mask; it needs is_causal=True "
+                     "(without it every query attends every real key, and the lengths alone say which)")
   if dropout is not None and not (0.0 < dropout.rate < 1.0):
     raise ValueError(f"dropout rate must be in (0, 1); got {dropout.rate}")
   if dropout is not None and dropout.rng is None:
     raise ValueError(f"dropout_rate={dropout.rate} needs a dropout_rng (a jax PRNG key)")
   return Options(scale=scale, is_causal=bool(is_causal), mask=mask, bias=bias, dropout=dropout, precision=precision,
-                 return_weights=bool(return_weights), fp8_core=fp8_core)
+                 return_weights=bool(return_weights), fp8_core=fp8_core, query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment)
+
+
+def _check_lengths(name: str, x, B: int, limit: int, letter: str) -> None:
+  """An int (B,) array of per-row lengths in [0, limit]; the range is checked where the values are known."""
+  _array_like(name, x)
+  if not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (B,):
+    raise ValueError(f"{name} must be an integer array of shape (B,) = ({B},), one length per row; "
+                     f"got {x.dtype} of shape {x.shape}")
+  if isinstance(x, jax.core.Tracer) or isinstance(x, jax.ShapeDtypeStruct):
+    return  # traced: attention() turns the rows out of range into NaN (backends/_masks.py)
+  values = np.asarray(x)
+  bad = [int(b) for b in np.flatnonzero((values < 0) | (values > limit))]
+  if bad:
+    raise ValueError(f"{name} must lie in [0, {letter}={limit}]; row(s) {bad[:5]} hold "
+                     f"{[int(values[b]) for b in bad[:5]]}")
 
 
 def describe(q, k, v, opts: Options) -> Call:
@@ -167,7 +214,12 @@ def describe(q, k, v, opts: Options) -> Call:
     if not jnp.issubdtype(opts.bias.dtype, jnp.floating):
       raise ValueError(f"bias must be floating point; got {opts.bias.dtype}")
     bias_shape = _check_broadcast("bias", opts.bias, target, letters)
+  if opts.query_seq_lengths is not None:
+    _check_lengths("query_seq_lengths", opts.query_seq_lengths, B, T, "T")
+  if opts.key_value_seq_lengths is not None:
+    _check_lengths("key_value_seq_lengths", opts.key_value_seq_lengths, B, S, "S")
   return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=np.dtype(q.dtype), is_causal=opts.is_causal,
               mask_shape=mask_shape, bias_shape=bias_shape, dropout=opts.dropout is not None,
               return_weights=opts.return_weights, precision=opts.precision, fp8_core=opts.fp8_core,
-              device=device_lib.of(q, k, v))
+              device=device_lib.of(q, k, v), q_lengths=opts.query_seq_lengths is not None,
+              kv_lengths=opts.key_value_seq_lengths is not None, causal_alignment=opts.causal_alignment)

@@ -4,6 +4,12 @@ Never builds the (B, N, T, S) scores; causal blocks above the diagonal are skipp
 Needs an NVIDIA GPU (compute capability >= 8.0), float16/bfloat16, and a head dim that
 is a multiple of 8 up to 128 (256 on Hopper and later). A boolean mask reaches cuDNN as
 an additive bias, which cuDNN wants at full (T, S) size.
+
+Per-row lengths go to cuDNN's padding mask (jax's query_seq_lengths/key_value_seq_lengths),
+with its top-left causal mask where asked. jax exposes no bottom-right causal mask: a
+one-query call (a decode step) needs none, since its query sees every real key; a longer
+query block at the end of the keys (a prefill chunk into a KV cache) runs with the rule as a
+(B, 1, T, S) mask, which explain() says.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attnlayers.backends import _reasons
+from attnlayers.backends import _masks, _reasons
 from attnlayers.spec import Call, Options
 
 NAME = "cudnn"
@@ -33,10 +39,30 @@ def unmet(call: Call) -> list[str]:
   if call.H % 8 or call.H > h_max:
     where = f"on {call.device.describe()}" if call.device.is_cuda else "(256 from compute capability 9.0)"
     reasons.append(f"cuDNN needs a head dim that is a multiple of 8 and <= {h_max} {where}; got H={call.H}")
-  has_bias = call.mask_shape is not None or call.bias_shape is not None
+  has_bias = call.mask_shape is not None or call.bias_shape is not None or _as_mask(call)
   if has_bias and (call.T % 2 or call.S % 2):
-    reasons.append(f"cuDNN with a mask or bias needs even T and S (its backward pass requires it); got T={call.T}, S={call.S}")
+    why = " (bottom-right causal or lengths with a mask become one)" if _as_mask(call) else ""
+    reasons.append(f"cuDNN with a mask or bias{why} needs even T and S (its backward pass requires it); "
+                   f"got T={call.T}, S={call.S}")
   return reasons + _reasons.fused_only(call, NAME, exact_half_products=True)
+
+
+def _as_mask(call) -> bool:
+  """Whether the lengths/causal rule reaches cuDNN as a mask: bottom-right causal beyond one query (jax
+  has no such mask type), or lengths together with the caller's mask or bias."""
+  user = getattr(call, "mask_shape", None) is not None or getattr(call, "bias_shape", None) is not None
+  return (call.bottom_right and call.T > 1) or (call.has_lengths and user)
+
+
+def notes(call: Call) -> list[str]:
+  if _as_mask(call):
+    return ["lengths and causality as a (B, 1, T, S) mask (an additive bias in cuDNN): jax exposes no bottom-right "
+            "causal mask, nor lengths together with a bias"]
+  if call.bottom_right:  # T == 1
+    return ["one query at the end of its keys: cuDNN's padding mask (key_value_seq_lengths) alone"]
+  if call.has_lengths:
+    return ["cuDNN padding mask from query_seq_lengths / key_value_seq_lengths" + (", causal top-left" if call.is_causal else "")]
+  return []
 
 
 def _full_ts(x, T: int, S: int):
@@ -46,8 +72,37 @@ def _full_ts(x, T: int, S: int):
 
 
 def run(q, k, v, opts: Options):
-  T, S = q.shape[1], k.shape[1]
-  mask = None if opts.mask is None else _full_ts(opts.mask, T, S)
+  (B, T), S = q.shape[:2], k.shape[1]
   bias = None if opts.bias is None else _full_ts(opts.bias, T, S).astype(q.dtype)
-  return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=opts.scale,
-                                      is_causal=opts.is_causal, implementation="cudnn")
+  bottom_right = not _masks.plain(opts, T, S) and opts.is_causal and opts.causal_alignment == "bottom-right"
+  user = opts.mask is not None or opts.bias is not None
+  if (bottom_right and T > 1) or (opts.has_lengths and user):
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=_full_ts(_masks.allowed(opts, B, T, S), T, S),
+                                       scale=opts.scale, implementation="cudnn")
+    return _masks.finish(out, opts, S)
+  mask = None if opts.mask is None else _full_ts(opts.mask, T, S)
+  if not opts.has_lengths and not bottom_right:
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=opts.scale,
+                                        is_causal=opts.is_causal, implementation="cudnn")
+  q_len, kv_len = _masks.lengths(opts, B, T, S)  # T == 1 bottom-right: its query sees every real key
+  padded = lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, scale=opts.scale,
+      is_causal=opts.is_causal and not bottom_right, implementation="cudnn")
+  out = _forward_only(padded, q, k, v) if T == 1 else padded(q, k, v)
+  return _masks.finish(out, opts, S)
+
+
+def _forward_only(fn, q, k, v):
+  """fn(q, k, v), whose gradient raises: jax's cuDNN attention runs one query with a padding mask (a decode
+  step) forward, but its backward refuses T=1 ("Unsupported sequence length Q 1", jax 0.11.2)."""
+  @jax.custom_vjp
+  def f(q, k, v):
+    return fn(q, k, v)
+
+  def bwd(_, g):
+    raise NotImplementedError(
+        f"cuDNN attention through jax has no backward pass for one query (T=1) with per-row lengths or bottom-right "
+        f"causality, a decode step's shape (q {q.shape}, k {k.shape}); differentiate it on backend='te' or 'xla'")
+
+  f.defvjp(lambda q, k, v: (fn(q, k, v), None), bwd)
+  return f(q, k, v)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attnlayers.backends import _masks
 from attnlayers.spec import Call, Options
 
 NAME = "naive"
@@ -23,17 +24,8 @@ def unmet(call: Call) -> list[str]:
   return []  # runs anywhere jax runs
 
 
-def allowed(T: int, S: int, *, is_causal: bool, mask):
-  """Boolean (.., T, S) array of positions that may be attended, or None for all."""
-  keep = None if mask is None else mask
-  if is_causal:  # top-left aligned, as jax.nn.dot_product_attention and cuDNN: query i sees keys j <= i
-    causal = jnp.tril(jnp.ones((T, S), dtype=jnp.bool_))
-    keep = causal if keep is None else jnp.logical_and(keep, causal)
-  return keep
-
-
 def run(q, k, v, opts: Options):
-  scale, is_causal, mask, bias = opts.scale, opts.is_causal, opts.mask, opts.bias
+  scale, bias = opts.scale, opts.bias
   dropout, precision = opts.dropout, opts.precision
   B, T, N, H = q.shape
   _, S, K, _ = k.shape
@@ -45,7 +37,7 @@ def run(q, k, v, opts: Options):
   scores = scores.reshape(B, N, T, S) * jnp.float32(scale)  # (B, N, T, S)
   if bias is not None:
     scores = scores + bias.astype(jnp.float32)
-  keep = allowed(T, S, is_causal=is_causal, mask=mask)
+  keep = _masks.allowed(opts, B, T, S)  # lengths, causality and the mask
   if keep is not None:
     scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (B, N, T, S)
@@ -57,4 +49,5 @@ def run(q, k, v, opts: Options):
     used = weights * (keep_mask.astype(q.dtype) / jnp.asarray(keep_prob, dtype=q.dtype))
   out = jnp.einsum("bkgts,bskh->btkgh", used.reshape(B, K, G, T, S), v,
                    precision=precision).reshape(B, T, N, H)  # (B, T, N, H)
+  out = _masks.finish(out, opts, S)
   return (out, weights) if opts.return_weights else out

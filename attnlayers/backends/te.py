@@ -8,13 +8,19 @@ TE's boolean masks mean True = masked out, the inverse of ours; rather than inve
 hand TE a mask as what it means, a post-scale bias (0 where ours is True, a large negative
 number where it is False), added to any bias of the call. That bias keeps its batch dim
 (1 or B) and is broadcast to (N, T, S), the shapes TE's fused kernel takes.
+
+Per-row lengths go in TE's SequenceDescriptor with its PADDING mask types, bottom-right
+causality as TE's CAUSAL_BOTTOM_RIGHT masks; a single query at the end of its keys (a
+decode step) needs no causal mask, only the padding one.
 """
 
 from __future__ import annotations
 
+import types
+
 import jax.numpy as jnp
 
-from attnlayers.backends import _reasons
+from attnlayers.backends import _masks, _reasons
 from attnlayers.spec import Call, Options
 
 NAME = "te"
@@ -27,8 +33,21 @@ def _te():
   return attention
 
 
-def _mask_type(te, is_causal: bool):
-  return te.AttnMaskType.CAUSAL_MASK if is_causal else te.AttnMaskType.NO_MASK
+def _mask_type(te, call):
+  """TE's mask type for a call (a Call, or _shape_of's stand-in): padding where there are lengths."""
+  one_query_at_end = call.bottom_right and call.T == 1  # it sees every real key: padding alone
+  padding = call.has_lengths or one_query_at_end
+  if not call.is_causal or one_query_at_end:
+    return te.AttnMaskType.PADDING_MASK if padding else te.AttnMaskType.NO_MASK
+  name = ("PADDING_" if padding else "") + "CAUSAL" + ("_BOTTOM_RIGHT" if call.bottom_right else "") + "_MASK"
+  return getattr(te.AttnMaskType, name)
+
+
+def _shape_of(q, k, opts: Options):
+  """What _mask_type reads, from the arrays and options of a run."""
+  (B, T), S = q.shape[:2], k.shape[1]
+  bottom_right = not _masks.plain(opts, T, S) and opts.is_causal and opts.causal_alignment == "bottom-right"
+  return types.SimpleNamespace(is_causal=opts.is_causal, bottom_right=bottom_right, has_lengths=opts.has_lengths, T=T)
 
 
 def _bias_type(te, has_bias: bool):
@@ -65,23 +84,29 @@ def unmet(call: Call, name: str = NAME) -> list[str]:
   has_bias = call.mask_shape is not None or call.bias_shape is not None
   available = te.is_fused_attn_kernel_available(
       True, call.B, call.dtype, call.dtype, te.QKVLayout.BSHD_BSHD_BSHD, _bias_type(te, has_bias),
-      _mask_type(te, call.is_causal), te.AttnSoftmaxType.VANILLA_SOFTMAX, 0.0, call.N, call.K, call.T, call.S,
+      _mask_type(te, call), te.AttnSoftmaxType.VANILLA_SOFTMAX, 0.0, call.N, call.K, call.T, call.S,
       call.H, call.H, **(_bias_dims(call) if has_bias else {}))
   if not available:
     with_bias = " with a mask/bias (as a post-scale bias)" if has_bias else ""
-    reasons.append(f"TransformerEngine has no fused kernel for {call.shape_str()} causal={call.is_causal}{with_bias} "
+    reasons.append(f"TransformerEngine has no fused kernel for {call.shape_str()} {_mask_type(te, call).name}{with_bias} "
                    "on this GPU and cuDNN (is_fused_attn_kernel_available is False)")
   return reasons
+
+
+def notes(call: Call) -> list[str]:
+  if call.has_lengths or call.bottom_right:
+    return [f"TE mask type {_mask_type(_te(), call).name} with a SequenceDescriptor of the lengths"]
+  return []
 
 
 def run(q, k, v, opts: Options):
   te = _te()
   (B, T, N, _), S = q.shape, k.shape[1]
-  scale, is_causal = opts.scale, opts.is_causal
-  lengths = te.SequenceDescriptor.from_seqlens((jnp.full((B,), T, jnp.int32), jnp.full((B,), S, jnp.int32)))
+  lengths = te.SequenceDescriptor.from_seqlens(_masks.lengths(opts, B, T, S))
   bias = _as_bias(opts.mask, opts.bias, N, T, S, q.dtype)  # (1|B, N, T, S) or None
-  return te.fused_attn(
+  out = te.fused_attn(
       (q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, bias is not None),
-      attn_mask_type=_mask_type(te, is_causal), qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD,
-      softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX, scaling_factor=scale, dropout_probability=0.0,
+      attn_mask_type=_mask_type(te, _shape_of(q, k, opts)), qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD,
+      softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX, scaling_factor=opts.scale, dropout_probability=0.0,
       is_training=True)
+  return _masks.finish(out, opts, S)

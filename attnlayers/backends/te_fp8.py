@@ -35,6 +35,9 @@ def fp8_core_unmet(call: Call) -> list[str]:
   reasons = _fp8_core.unmet(call.T, call.S, call.H, call.device.compute_capability, call.device.cudnn_version)
   if call.mask_shape is not None or call.bias_shape is not None:
     reasons.append("cuDNN FP8 attention takes no mask or bias (only causal or none)")
+  if call.has_lengths or call.bottom_right:
+    reasons.append("cuDNN FP8 attention takes no per-row lengths or bottom-right causal mask (decode-shaped calls); "
+                   "fp8_core='fp8-or-bf16' runs those on TransformerEngine's bf16 kernel")
   if not _reasons.is_default_precision(call.precision):
     reasons.append(f"the FP8 core quantises q, k, v and P to E4M3, so it cannot apply precision={call.precision}")
   return reasons

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import jax
 
-from attnlayers.backends import _reasons
+from attnlayers.backends import _masks, _reasons
 from attnlayers.spec import Call, Options
 
 NAME = "xla"
@@ -25,5 +25,10 @@ def unmet(call: Call) -> list[str]:
 
 
 def run(q, k, v, opts: Options):
-  return jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=opts.mask, scale=opts.scale,
-                                      is_causal=opts.is_causal, implementation="xla")
+  (B, T), S = q.shape[:2], k.shape[1]
+  if _masks.plain(opts, T, S):
+    return jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=opts.mask, scale=opts.scale,
+                                        is_causal=opts.is_causal, implementation="xla")
+  out = jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=_masks.allowed(opts, B, T, S), scale=opts.scale,
+                                     implementation="xla")  # lengths and bottom-right causality as one mask
+  return _masks.finish(out, opts, S)
