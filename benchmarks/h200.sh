@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates the published results on one NVIDIA GPU with TransformerEngine installed.
 # Run from the repository root: `bash benchmarks/h200.sh [OUT] [PART]`. OUT defaults to
-# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, train, so that
-# each part fits in one 10-minute device command. `summary` (no GPU needed) then writes
+# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, train, decode, so
+# that each part fits in one 10-minute device command. `summary` (no GPU needed) then writes
 # benchmarks/RESULTS.md from OUT.
 set -euo pipefail
 OUT=${1:-benchmarks/results/h200}
@@ -21,6 +21,11 @@ fi
 if [[ $PART == all || $PART == train ]]; then
   python -m benchmarks.train --seq-len 1024 8192 --batch-size 32 4 --steps 20 --run-timeout 90 --out "$OUT"
   python -m benchmarks.fp8_train --out "$OUT"
+fi
+if [[ $PART == all || $PART == decode ]]; then
+  # ~5 minutes: time to first token for every backend, then backend by backend (cudnn first) K 12/4/1 x
+  # B 1/8/64/256 x contexts 512/2048/8192 until the budget is spent; the points not run are rows saying so
+  python -m benchmarks.decode --batches 1 8 64 256 --budget-s 270 --out "$OUT"
 fi
 if [[ $PART == all || $PART == summary ]]; then
   python -m benchmarks.layer --merge "$PARTS/more/layer.json" "$PARTS/seq/layer.json" "$PARTS/batch/layer.json" --out "$OUT"

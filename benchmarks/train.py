@@ -35,7 +35,7 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
   row = {"backend": backend, "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "steps": steps}
   cmd = [sys.executable, "-m", "train", "--attn", backend, "--preset", preset, "--seq-len", str(seq_len),
          "--batch-size", str(batch_size), "--steps", str(steps), "--warmup", str(min(10, steps)),
-         "--eval-every", "0", "--log-every", str(max(1, steps // 6)), "--sample-tokens", "0", "--no-progress"]
+         "--eval-every", "0", "--log-every", str(max(1, steps // 6)), "--sample-tokens", "0", "--no-progress", "--no-ckpt"]
   if backend == "te-fp8":
     cmd += ["--fp8-core", FP8_CORE]
     row["fp8_core"] = FP8_CORE

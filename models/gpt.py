@@ -4,6 +4,10 @@ Pre-norm blocks (LayerNorm -> attention -> residual, LayerNorm -> GELU MLP -> re
 learned absolute positions, token embedding tied to the output projection, GPT-2's
 initialisation (normal 0.02, residual projections scaled by 1/sqrt(2 * n_layer)). The
 attention kernel is `config.backend`; the model never branches on it.
+
+Decoding: `init_cache(batch, max_length)` gives every block's attention a KV cache; then
+`model(tokens, decode=True, lengths=...)` runs T new tokens per row (a whole prompt chunk
+or one token) at each row's own position, read from the cache. models.generate drives it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
@@ -36,9 +41,11 @@ class Block(nnx.Module):
     self.proj = nnx.Linear(hidden, cfg.d_model, dtype=dt, param_dtype=pdt, kernel_init=proj_init, rngs=rngs)
     self.dropout = nnx.Dropout(cfg.dropout)
 
-  def __call__(self, x: Float[Array, "B T D"], rngs: nnx.Rngs | None = None) -> Float[Array, "B T D"]:
+  def __call__(self, x: Float[Array, "B T D"], rngs: nnx.Rngs | None = None, *, decode: bool = False,
+               lengths: Int[Array, "B"] | None = None) -> Float[Array, "B T D"]:
     drop = lambda y: self.dropout(y, deterministic=rngs is None, rngs=rngs)
-    x = x + drop(self.attn(self.ln1(x)))
+    h = self.ln1(x)
+    x = x + drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h))
     return x + drop(self.proj(jax.nn.gelu(self.fc(self.ln2(x)))))
 
 
@@ -57,22 +64,62 @@ class GPT(nnx.Module):
     self.head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=init, rngs=rngs)
 
-  def __call__(self, tokens: Int[Array, "B T"], rngs: nnx.Rngs | None = None) -> Float[Array, "B T V"]:
-    """Float32 logits; `rngs` (with a 'dropout' stream) turns dropout on, None is deterministic."""
-    T = tokens.shape[1]
-    if T > self.cfg.seq_len:
+  def init_cache(self, batch: int, max_length: int, dtype=None) -> None:
+    """An empty KV cache of `max_length` positions for `batch` rows in every block (dtype: the compute dtype)."""
+    if not 1 <= max_length <= self.cfg.seq_len:
+      raise ValueError(f"max_length ({max_length}) must be in [1, seq_len={self.cfg.seq_len}]: positions past "
+                       "the model's context have no position embedding")
+    for block in self.blocks:
+      block.attn.init_cache((batch, max_length, self.cfg.d_model), dtype=dtype)
+
+  def __call__(self, tokens: Int[Array, "B T"], rngs: nnx.Rngs | None = None, *, decode: bool = False,
+               lengths: Int[Array, "B"] | None = None, last_only: bool = False) -> Float[Array, "B T V"]:
+    """Float32 logits; `rngs` (with a 'dropout' stream) turns dropout on, None is deterministic.
+
+    decode=True: `tokens` continue each row's cached sequence (init_cache first). Token t of
+    row b sits at position cache_index[b] + t; `lengths` (B,) says how many of the T are real
+    (right padding; default all), and the caches advance by that much. last_only: logits
+    (B, 1, V) at each row's last real token only (a prefill needs no others; saves (B, T, V)).
+    """
+    B, T = tokens.shape
+    if lengths is not None and not decode:
+      raise ValueError("lengths= applies with decode=True only (tokens appended to a KV cache)")
+    pos = self._decode_positions(B, T, lengths) if decode else jnp.arange(T)[None]  # (B|1, T)
+    if not decode and T > self.cfg.seq_len:
       raise ValueError(f"sequence of {T} tokens is longer than the model's seq_len ({self.cfg.seq_len})")
     dt = jnp.dtype(self.cfg.dtype)
-    x = (self.wte(tokens) + self.wpe(jnp.arange(T))).astype(dt)  # (B, T, D)
+    x = (self.wte(tokens) + self.wpe(pos)).astype(dt)  # (B, T, D)
     x = self.drop(x, deterministic=rngs is None, rngs=rngs)
     for block in self.blocks:
-      x = block(x, rngs)
+      x = block(x, rngs, decode=decode, lengths=lengths)
+    if last_only:
+      last = (jnp.full((B,), T) if lengths is None else jnp.asarray(lengths)) - 1  # (B,)
+      x = jnp.take_along_axis(x, jnp.maximum(last, 0)[:, None, None], axis=1)  # (B, 1, D)
     x = self.ln_f(x)
     if self.head is None:  # tied: the token embedding, in the compute dtype, as output projection
       logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...].astype(dt))  # (B, T, V)
     else:
       logits = self.head(x)
     return logits.astype(jnp.float32)
+
+  def _decode_positions(self, B: int, T: int, lengths) -> Int[Array, "B T"]:
+    """Each token's position: its row's cache_index + t; padding tokens (t >= lengths) get 0."""
+    attn = self.blocks[0].attn
+    if getattr(attn, "cache_index", None) is None:
+      raise ValueError("decode=True needs a KV cache: call model.init_cache(batch, max_length) first")
+    start = attn.cache_index[...]  # (B,)
+    if start.shape != (B,):
+      raise ValueError(f"the cache holds {start.shape[0] if start.ndim else 'no'} rows (init_cache(batch=...)), "
+                       f"tokens have {B}")
+    t = jnp.arange(T)[None]  # (1, T)
+    real = jnp.full((B,), T) if lengths is None else jnp.asarray(lengths)
+    if not any(isinstance(a, jax.core.Tracer) for a in (start, real)):  # known: check (under jit the rows go NaN)
+      end = np.asarray(start) + np.asarray(real)  # (B,) one past each row's last real position
+      b = int(np.argmax(end))
+      if end[b] > self.cfg.seq_len:
+        raise ValueError(f"row {b} would reach position {int(end[b]) - 1}: past the model's context "
+                         f"(seq_len {self.cfg.seq_len}, positions 0..{self.cfg.seq_len - 1})")
+    return jnp.where(t < real[:, None], start[:, None] + t, 0)  # (B, T)
 
 
 def count_params(model: GPT) -> int:

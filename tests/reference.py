@@ -44,13 +44,31 @@ def assert_close(actual, expected, dtype, kind: str = "out", what: str = ""):
   np.testing.assert_allclose(actual, expected, err_msg=what, **tolerance(dtype, kind))
 
 
-def allowed(T, S, mask=None, is_causal=False):
-  keep = np.ones((T, S), dtype=bool)
+def allowed(T, S, mask=None, is_causal=False, *, query_seq_lengths=None, key_value_seq_lengths=None,
+            causal_alignment="top-left"):
+  """Boolean keep[.., t, s]: query t may attend key s (attnlayers.spec's rule, written out again).
+
+  query_seq_lengths Tb, key_value_seq_lengths Sb: int (B,), default T and S (right padding).
+  Query (b, t) may attend key s iff t < Tb, s < Sb, the causal rule (if is_causal: s <= t
+  top-left, s <= t + Sb - Tb bottom-right) and the mask. (T, S) without lengths, else (B, 1, T, S);
+  either broadcasts to (B, N, T, S).
+  """
+  if causal_alignment not in ("top-left", "bottom-right"):
+    raise ValueError(f"causal_alignment: {causal_alignment!r}")
+  t, s = np.arange(T)[:, None], np.arange(S)[None, :]  # (T, 1), (1, S)
+  if query_seq_lengths is None and key_value_seq_lengths is None:
+    q_len, kv_len = np.array(T), np.array(S)  # () : the same for every row
+  else:
+    B = len(query_seq_lengths if query_seq_lengths is not None else key_value_seq_lengths)
+    q_len = np.full(B, T) if query_seq_lengths is None else np.asarray(query_seq_lengths)
+    kv_len = np.full(B, S) if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
+    q_len, kv_len = q_len[:, None, None, None], kv_len[:, None, None, None]  # (B, 1, 1, 1)
+  keep = (t < q_len) & (s < kv_len)
   if is_causal:
-    keep = np.tril(keep)
+    keep = keep & (s <= (t + kv_len - q_len if causal_alignment == "bottom-right" else t))
   if mask is not None:
     keep = np.logical_and(keep, np.asarray(mask, dtype=bool))
-  return keep  # broadcasts to (B, N, T, S)
+  return keep
 
 
 def _expand_kv(x, N):
@@ -59,11 +77,16 @@ def _expand_kv(x, N):
   return np.repeat(x, N // x.shape[2], axis=2).transpose(0, 2, 1, 3)
 
 
-def forward(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None):
+def forward(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None, query_seq_lengths=None,
+            key_value_seq_lengths=None, causal_alignment="top-left"):
   """Returns (out (B, T, N, H), probabilities (B, N, T, S)) in float64.
 
   scores = q k^T * scale (default 1/sqrt(H)) + bias (broadcastable to (B, N, T, S)), then
-  the mask and causal limit, then softmax over S.
+  `allowed` (mask, causal limit, per-row lengths and alignment), then softmax over S. A
+  query with no allowed key (padding, or left without a key by lengths/causality) has
+  probabilities 0 and outputs exactly 0, as attnlayers.attention promises. (Its promise
+  covers rows emptied by lengths/causality; the tests keep key 0 in every mask row, so
+  the mask alone never empties one.)
   """
   q = np.asarray(q, np.float64)
   B, T, N, H = q.shape
@@ -73,20 +96,29 @@ def forward(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None):
   scores = np.einsum("btnh,bnsh->bnts", q, kx) * scale  # (B, N, T, S)
   if bias is not None:
     scores = scores + np.asarray(bias, np.float64)
-  keep = np.broadcast_to(allowed(T, S, mask, is_causal), scores.shape)
-  scores = np.where(keep, scores, -np.inf)
-  p = np.exp(scores - scores.max(-1, keepdims=True))
-  p /= p.sum(-1, keepdims=True)
+  keep = allowed(T, S, mask, is_causal, query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment)
+  scores = np.where(np.broadcast_to(keep, scores.shape), scores, -np.inf)
+  top = scores.max(-1, keepdims=True)  # -inf on a row with no allowed key
+  p = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+  total = p.sum(-1, keepdims=True)
+  p = p / np.where(total > 0, total, 1.0)  # an empty row stays all 0
   return np.einsum("bnts,bnsh->btnh", p, vx), p
 
 
-def gradients(q, k, v, dout, *, mask=None, is_causal=False, scale=None, bias=None):
-  """d(sum(out * dout)) / d(q, k, v) in float64, by the textbook softmax backward (bias held fixed)."""
+def gradients(q, k, v, dout, *, mask=None, is_causal=False, scale=None, bias=None, query_seq_lengths=None,
+              key_value_seq_lengths=None, causal_alignment="top-left"):
+  """d(sum(out * dout)) / d(q, k, v) in float64, by the textbook softmax backward (bias held fixed).
+
+  The lengths and alignment as in `forward`: a query with no allowed key has p = 0, so it gets a
+  zero gradient and passes none to the keys.
+  """
   q64 = np.asarray(q, np.float64)
   B, T, N, H = q64.shape
   K = k.shape[2]
   scale = 1.0 / np.sqrt(H) if scale is None else scale
-  _, p = forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale, bias=bias)
+  _, p = forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale, bias=bias, query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment)
   kx, vx = _expand_kv(k, N), _expand_kv(v, N)  # (B, N, S, H)
   g = np.asarray(dout, np.float64).transpose(0, 2, 1, 3)  # (B, N, T, H)
   dp = g @ vx.transpose(0, 1, 3, 2)  # (B, N, T, S)

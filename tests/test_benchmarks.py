@@ -1,15 +1,22 @@
-"""`python -m benchmarks.layer --quick` and `benchmarks.train` on CPU: every output kind, rates that
-are the formula over the measured time, differences to the reference, reasons on unavailable rows."""
+"""`python -m benchmarks.layer --quick`, `benchmarks.train` and `benchmarks.decode --quick` on CPU: every
+output kind, rates that are the formula over the measured time, differences to the reference, reasons
+on unavailable rows."""
 
 import csv
+import itertools
 import json
+import math
 import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
-from benchmarks import layer
+import models
+from benchmarks import decode, layer
 from tests import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,3 +73,54 @@ def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
   md = (tmp_path / "train.md").read_text()
   assert "| xla |" in md and "PaLM" in md  # the MFU convention is named beside the table
 
+
+
+def _decode_params_bytes(cfg) -> int:
+  """Bytes of the parameters a decode step reads, counted from the model's structure: all but the position table."""
+  params = nnx.state(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  return sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(params)
+             if "wpe" not in jax.tree_util.keystr(path)) * jnp.dtype(cfg.dtype).itemsize
+
+
+def test_decode_quick_rows_are_their_formulas_over_the_measured_time(tmp_path):
+  decode.main(["--quick", "--out", str(tmp_path)])  # in-process: tiny models, naive/xla measured, cudnn refused
+  result = json.load(open(tmp_path / "decode.json"))
+  rows, copy = result["rows"], result["environment"]["copy_gb_per_s"]
+  assert copy > 0 and len(list(csv.DictReader(open(tmp_path / "decode.csv")))) == len(rows)
+  assert len(list(tmp_path.glob("decode_*.png"))) == 4  # tokens/s vs batch per context, copy fraction vs context per batch
+  md = (tmp_path / "decode.md").read_text()
+  assert "lower bound" in md and "Time to first token" in md and "MQA (K=1) / MHA (K=4) tokens/s at batch 4" in md
+  sweep = [r for r in rows if r["section"] == "sweep"]
+  assert {(r["backend"], r["K"], r["batch"], r["context"]) for r in sweep} == \
+      set(itertools.product(["naive", "xla", "cudnn"], [4, 1], [1, 4], [32, 128]))
+  ok = [r for r in rows if r["status"] == "ok"]
+  assert {r["backend"] for r in ok} == {"naive", "xla"} and {r["model"] for r in ok} == {"tiny", "tiny@256"}
+  ttft = {r["backend"]: r for r in rows if r["section"] == "ttft"}
+  assert ttft["xla"]["status"] == "ok" and ttft["xla"]["context"] == 128 and ttft["xla"]["batch"] == 1
+  for r in rows:
+    if r["status"] != "ok":  # cudnn on a CPU: every point says why
+      assert r["backend"] == "cudnn" and r["status"] == "unavailable" and "cuDNN" in r["reason"]
+  for r in ok:
+    for key, value in r.items():
+      if isinstance(value, (int, float)) and not isinstance(value, bool):
+        assert math.isfinite(value) and (value > 0 or key == "compile_s" and value == 0), (key, value)
+    cfg = models.preset("tiny", n_kv_head=r["K"], seq_len=256 if r["model"] == "tiny@256" else None)
+    B, L, K, H, size = r["batch"], cfg.n_layer, r["K"], cfg.head_dim, jnp.dtype(cfg.dtype).itemsize
+    assert r["cache_len"] == r["context"] + r["steps"]
+    assert r["kv_cache_bytes"] == 2 * L * B * r["cache_len"] * K * H * size == r["kv_cache_mib"] * 2**20
+    assert r["param_bytes"] == _decode_params_bytes(cfg)
+    assert r["bytes_per_step"] == r["param_bytes"] + 2 * L * B * r["context"] * K * H * size
+    step_s = r["decode_ms_per_step"] * 1e-3
+    assert r["tokens_per_s"] == pytest.approx(B / step_s, rel=1e-9)
+    assert r["gb_per_s"] == pytest.approx(r["bytes_per_step"] / step_s / 1e9, rel=1e-9)
+    assert r["frac_copy_bw"] == pytest.approx(r["gb_per_s"] / copy, rel=1e-9)
+    assert r["prefill_tokens_per_s"] == pytest.approx(B * r["context"] / (r["prefill_ms"] * 1e-3), rel=1e-9)
+    assert r["prefill_p10_ms"] <= r["prefill_ms"] <= r["prefill_p90_ms"]
+    assert r["decode_p10_ms_per_step"] <= r["decode_ms_per_step"] <= r["decode_p90_ms_per_step"]
+
+
+def test_decode_budget_stops_cleanly_and_still_writes_every_file(tmp_path):
+  decode.main(["--quick", "--budget-s", "0", "--out", str(tmp_path)])
+  rows = json.load(open(tmp_path / "decode.json"))["rows"]
+  assert rows and all(r["status"] == "skipped" and "--budget-s" in r["reason"] for r in rows)
+  assert (tmp_path / "decode.csv").exists() and "not run" in (tmp_path / "decode.md").read_text()

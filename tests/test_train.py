@@ -24,7 +24,8 @@ SMALL = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progr
 def train_cli(*args, devices: int = 1, wait: bool = True):
   env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, text=True,
+  keep = [] if "--ckpt-dir" in args else ["--no-ckpt"]  # without a folder a run keeps nothing, not runs/train-*
+  proc = subprocess.Popen([sys.executable, "-m", "train", *args, *keep], cwd=ROOT, env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
   if not wait:
     return proc

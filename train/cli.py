@@ -3,16 +3,27 @@
 Every flag is checked before anything is built or compiled: a bad value exits with code 2
 and one line saying which flag and why. SIGINT and SIGTERM save the step in progress and
 exit with 128 + the signal's number.
+
+Without --ckpt-dir a run keeps its model in a folder of its own, runs/train-YYYYmmdd-HHMMSS
+(never an existing one, so a second run never resumes the first by accident; resuming takes
+--ckpt-dir), names it in runs/latest once it finishes, and prints the command that samples
+from it. --no-ckpt keeps nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
+import shlex
 import sys
+import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 import attnlayers
 from attnlayers import spec
@@ -20,14 +31,19 @@ import models
 from attnlayers.fp8 import FP8Unavailable
 from train import checkpoint, lock, loop, signals
 
+RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
+LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
 
-class _Parser(argparse.ArgumentParser):
+
+class Parser(argparse.ArgumentParser):
+  """Exits with code 2 and one line on a bad flag."""
+
   def error(self, message: str):
-    print(f"error: {message} (see python -m train --help)", file=sys.stderr)
+    print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
     sys.exit(2)
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
+class Help(argparse.ArgumentDefaultsHelpFormatter):
   """Shows each flag's default, except where there is none to show (the help says what applies)."""
 
   def _get_help_string(self, action):
@@ -36,7 +52,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     return super()._get_help_string(action)
 
 
-def _int_at_least(low: int):
+def int_at_least(low: int):
   def parse(text: str) -> int:
     try:
       value = int(text)
@@ -63,8 +79,8 @@ def _setting(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="python -m train", description=__doc__.splitlines()[0], formatter_class=_Help)
-  one, zero = _int_at_least(1), _int_at_least(0)
+  p = Parser(prog="python -m train", description=__doc__.splitlines()[0], formatter_class=Help)
+  one, zero = int_at_least(1), int_at_least(0)
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto", help="attention backend")
   p.add_argument("--preset", choices=list(models.PRESETS), default="tiny", help="model shape to start from")
   p.add_argument("--n-layer", type=one, help="transformer blocks; default: the preset's")
@@ -84,7 +100,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
   p.add_argument("--data", help="text file, folder of text, or 'DIR/*.bin' token shards; default: "
                                 "the installed Python's standard library sources, read at run time (no download)")
-  p.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: none")
+  keep = p.add_mutually_exclusive_group()
+  keep.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: a new "
+                                       f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
+  keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
   p.add_argument("--ckpt-every", type=one, default=100,
                  help="steps between checkpoints (the last step is always saved)")
   changeable = [k for k in loop.TRAJECTORY if k not in ("weight_decay", "clip")]  # those have no flag
@@ -106,6 +125,44 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--num-processes", type=one, help="multi-host: how many processes")
   p.add_argument("--process-id", type=zero, help="multi-host: this process's index")
   return p
+
+
+def fresh_run_dir() -> str:
+  """A folder name under RUNS for a new run: its start time, never an existing folder's."""
+  base = os.path.join(RUNS, "train-" + time.strftime("%Y%m%d-%H%M%S"))
+  path, n = base, 2
+  while os.path.lexists(path):
+    path, n = f"{base}-{n}", n + 1
+  return path
+
+
+def _agreed(path: str) -> str:
+  """Process 0's `path` on every process (each computes its own; they must save to one folder)."""
+  if jax.process_count() == 1:
+    return path
+  raw = np.frombuffer(path.encode().ljust(4096, b"\0"), np.uint8)
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
+
+
+def _discard_if_unused(path: str) -> None:
+  """Removes a run folder this run made that holds nothing but the lock file (the run failed before saving)."""
+  if jax.process_index() == 0 and os.path.isdir(path) and set(os.listdir(path)) <= {lock.LOCK_NAME}:
+    for name in os.listdir(path):
+      os.remove(os.path.join(path, name))
+    os.rmdir(path)
+
+
+def write_latest(path: str) -> None:
+  """Names `path` (a folder in RUNS) in RUNS/latest, replacing the file whole."""
+  with open(LATEST + ".tmp", "w", encoding="utf-8") as f:
+    f.write(os.path.basename(path) + "\n")
+  os.replace(LATEST + ".tmp", LATEST)
+
+
+def _sample_command(ckpt_dir: str, prompt: str | None) -> str:
+  """The python -m sample command for `ckpt_dir`, prompted with the first line of `prompt` (up to 40 characters)."""
+  line = next((l.strip() for l in (prompt or "").splitlines() if l.strip()), "")[:40]
+  return f"python -m sample --ckpt-dir {shlex.quote(ckpt_dir)}" + (f" --prompt {shlex.quote(line)}" if line else "")
 
 
 def main(argv=None) -> None:
@@ -138,6 +195,9 @@ def main(argv=None) -> None:
   if a.coordinator_address:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
     jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
+  fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
+  if fresh:
+    cfg = dataclasses.replace(cfg, ckpt_dir=_agreed(fresh_run_dir()))
   print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   try:
     summary = loop.run(cfg)
@@ -146,14 +206,21 @@ def main(argv=None) -> None:
     sys.exit(e.exit_code)
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
+    if fresh:
+      _discard_if_unused(cfg.ckpt_dir)
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  sample = summary.pop("sample", None)
+  sample, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
   if jax.process_index() != 0:
     return
   print(json.dumps(summary))
   if sample is not None:
     print("sample:\n" + sample)
+  if cfg.ckpt_dir:
+    if fresh:
+      write_latest(cfg.ckpt_dir)
+    print(f"model saved in {cfg.ckpt_dir} (step {cfg.steps}); sample from it with:\n  "
+          + _sample_command(cfg.ckpt_dir, prompt))
 
 
 if __name__ == "__main__":

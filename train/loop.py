@@ -28,12 +28,14 @@ from tqdm.auto import tqdm
 import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
+from models import generate
 from train import checkpoint, data, metrics, optim, sample, signals, stepdirs
 
 PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
 # The settings that, with the model's architecture, seed and data, decide every step's numbers:
 # a resume must keep them unless TrainConfig.allow_change names them.
 TRAJECTORY = ("steps", "batch_size", "lr", "warmup", "weight_decay", "clip", "dtype")
+SAMPLE_TEMPERATURE = 0.8  # of the end-of-run sample
 
 
 class TrainingDiverged(RuntimeError):
@@ -57,7 +59,7 @@ class TrainConfig:
   eval_batches: int = 4  # validation batches averaged per evaluation
   log_every: int = 10  # steps between metrics records
   metrics: str | None = None  # JSONL path
-  sample_tokens: int = 200  # printed at the end; 0 = none
+  sample_tokens: int = 200  # sampled at the end, at most seq_len - seq_len // 4 (the prompt takes the rest); 0 = none
   peak_tflops: float | None = None  # override the device's bf16 peak for MFU
   progress: bool = True  # tqdm bar
   profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of PROFILE_WINDOW here
@@ -303,9 +305,11 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
 
 def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
   if saved:
-    where = f"saved step {step} in {s.ckpts.directory}; the same command resumes from there"
+    where = f"saved step {step} in {s.ckpts.directory}; the same command with --ckpt-dir {s.ckpts.directory} " \
+            "resumes from there"
   elif s.ckpts:
-    where = f"nothing new to save; the same command resumes from {f'step {s.start}' if s.start else 'the start'}"
+    where = (f"nothing new to save; the same command with --ckpt-dir {s.ckpts.directory} resumes from "
+             f"{f'step {s.start}' if s.start else 'the start'}")
   else:
     where = "nothing saved (no --ckpt-dir)"
   return signals.Stopped(s.stop.received, step, f"stopped by {s.stop.name} after step {step}: {where}")
@@ -329,12 +333,28 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
       "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size),
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
-  if cfg.sample_tokens:  # every process takes part: the parameters span all of them
-    prompt = dataset.val[0][:mcfg.seq_len // 2]
-    new = sample.generate(s.model.graphdef, (state["params"], state["fp8"]), np.asarray(prompt),
-                          steps=cfg.sample_tokens, window=mcfg.seq_len, seed=cfg.seed)
-    summary["sample"] = sample.decode(new, dataset.vocab_size)
+  if cfg.sample_tokens:
+    summary |= _sample(s, state, dataset)
   return summary
+
+
+def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
+  """The end-of-run sample, by python -m sample's decoder (models.generate, backend auto): the start of
+  the first validation text continued. Prompt and new tokens share the context: at most
+  seq_len - seq_len // 4 new ones. Each process samples from its own replica of the parameters."""
+  seq_len = s.cfg.model.seq_len
+  prompt_len = max(1, seq_len // 4, min(seq_len // 2, seq_len - s.cfg.sample_tokens))
+  new = min(s.cfg.sample_tokens, seq_len - prompt_len)
+  if new < 1:
+    return {}
+  prompt = np.asarray(dataset.val[0][:prompt_len])
+  local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0), tree)  # this process's copy, on one device
+  model = nnx.merge(s.model.graphdef, local(state["params"]), local(state["fp8"]))
+  gen = generate.generate(model, [prompt], max_new_tokens=new, backend=attnlayers.backends.AUTO,
+                          sampling=generate.Sampling(temperature=SAMPLE_TEMPERATURE, seed=s.cfg.seed))
+  return {"sample": sample.decode(gen.tokens[0], dataset.vocab_size),
+          "sample_prompt": sample.decode(prompt, dataset.vocab_size),
+          "sample_time_to_first_token_s": gen.time_to_first_token_s, "sample_tokens_per_s": gen.decode_tokens_per_s}
 
 
 def run(cfg: TrainConfig) -> dict:

@@ -1,0 +1,117 @@
+"""The decode benchmark's numbers and files: the bytes convention, stated once; the same-run copy yardstick.
+
+A decode step of a small model at modest batch is bound by memory traffic, not FLOPs: each
+step reads every weight and the whole KV cache up to its position. benchmarks.decode
+reports that traffic as a rate and as a fraction of a plain device memory copy (HBM on a
+GPU) timed in the same process, the most a step could move per second. `write` lays the
+rows out as decode.json, .csv, .md (the MHA/GQA/MQA table and same-run ratios) and plots.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import common, report
+
+BYTES_NOTE = ("Bytes moved per decode step = the parameters as the decoder holds them (compute dtype), "
+              "without the position table (a lookup reads B of its rows; an untied token table likewise), "
+              "+ the KV cache read at the prompt's length: 2·n_layer·B·context·K·H·itemsize. A lower bound "
+              "of the traffic: activations, the cache entries written, the rows a step adds past the prompt and "
+              "the cache padding a kernel reads anyway are not counted. `gb_per_s` = those bytes over the "
+              "measured time per step (1 GB = 1e9 bytes); `frac_copy_bw` = that over `copy_gb_per_s`, an "
+              "elementwise x + 1 over a `copy_bytes` float32 buffer timed in the same process "
+              "(bytes = read + write); above 1 where the bytes come from a cache nearer than main memory (small "
+              "models on a CPU). `kv_cache_mib`: the whole cache, 2·n_layer·B·cache_len·K·H·itemsize.")
+COLUMNS = ["K", "backend", "batch", "context", "kv_cache_mib", "decode_ms_per_step", "tokens_per_s", "gb_per_s",
+           "frac_copy_bw", "prefill_ms", "model"]
+
+
+def kv_cache(n_layer: int, B: int, length: int, K: int, H: int, itemsize: int) -> int:
+  """Bytes of keys and values for `length` positions of B rows in every layer."""
+  return 2 * n_layer * B * length * K * H * itemsize
+
+
+def _lookup(path, cfg) -> bool:
+  keys = jax.tree_util.keystr(path)
+  return "'wpe'" in keys or ("'wte'" in keys and not cfg.tie_embeddings)
+
+
+def param_bytes(params, cfg) -> int:
+  """Bytes of the parameters a decode step reads in full: all but lookup tables (see BYTES_NOTE)."""
+  return sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_leaves_with_path(params)
+             if not _lookup(path, cfg))
+
+
+def step_bytes(param_bytes: int, n_layer: int, B: int, context: int, K: int, H: int, itemsize: int) -> int:
+  """Bytes one decode step moves by BYTES_NOTE's convention."""
+  return param_bytes + kv_cache(n_layer, B, context, K, H, itemsize)
+
+
+def copy_gb_per_s(nbytes: int, calls: int = 20) -> float:
+  """GB/s of x + 1 over an `nbytes` float32 buffer (read + write), as this process measures it now."""
+  x = jnp.arange(nbytes // 4, dtype=jnp.float32)
+  t = common.time_fn(jax.jit(lambda x: x + 1), x, calls=calls)
+  return 2 * (nbytes // 4) * 4 / (t.median_ms * 1e-3) / 1e9
+
+
+def ratio_lines(rows: list[dict], at: tuple[int, int]) -> list[str]:
+  """Same-run tokens/s of GQA and MQA over MHA per backend at (batch, context), where both points ran."""
+  ok = {(r["backend"], r["K"]): r for r in rows if r["status"] == "ok" and r["section"] == "sweep"
+        and (r["batch"], r["context"]) == at}
+  lines = []
+  for (backend, k), r in sorted(ok.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+    mha = ok.get((backend, r["N"]))
+    if k < r["N"] and mha:
+      kind = "MQA" if k == 1 else "GQA"
+      lines.append(f"- {backend}: {kind} (K={k}) / MHA (K={r['N']}) tokens/s at batch {at[0]}, context {at[1]}: "
+                   f"**{r['tokens_per_s'] / mha['tokens_per_s']:.3g}x** ({r['tokens_per_s']:.4g} / "
+                   f"{mha['tokens_per_s']:.4g})")
+  return lines or [f"- GQA, MQA / MHA at batch {at[0]}, context {at[1]}: not in this run's results"]
+
+
+def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
+  os.makedirs(out, exist_ok=True)
+  report.write_json(os.path.join(out, "decode.json"), env, rows)
+  report.write_csv(os.path.join(out, "decode.csv"), rows)
+  ok = [r for r in rows if r["status"] == "ok" and r["section"] == "sweep"]
+  label = lambda r: r | {"dtype": f"K={r['K']}"}  # report.line_plot draws one line per (backend, dtype)
+  plots = []
+  for c in sorted({r["context"] for r in ok}):
+    sel = [label(r) for r in ok if r["context"] == c]
+    if len({r["batch"] for r in sel}) > 1:
+      plots.append(f"decode_tokens_per_s_context{c}.png")
+      report.line_plot(os.path.join(out, plots[-1]), sel, x="batch", y="tokens_per_s",
+                       title=f"{s['preset']} decode, context {c}: tokens/s vs batch")
+  for b in sorted({r["batch"] for r in ok}):
+    sel = [label(r) for r in ok if r["batch"] == b]
+    if len({r["context"] for r in sel}) > 1:
+      plots.append(f"decode_frac_copy_bw_batch{b}.png")
+      report.line_plot(os.path.join(out, plots[-1]), sel, x="context", y="frac_copy_bw",
+                       title=f"{s['preset']} decode, batch {b}: fraction of the same-run copy bandwidth")
+  ttft = [r | {"ttft_ms": r.get("prefill_ms")} for r in rows if r["section"] == "ttft"]
+  table = sorted(ok, key=lambda r: (r["backend"], r["context"], r["batch"], -r["K"]))
+  reasons: dict[str, int] = {}
+  for r in rows:
+    if r["status"] != "ok":
+      why = f"{r['backend']} ({r['status']}): {r['reason']}"
+      reasons[why] = reasons.get(why, 0) + 1
+  notes = sorted({f"- {r['backend']} K={r['K']} B={r['batch']} context {r['context']}: {r['note']}"
+                  for r in rows if r.get("note")})
+  md = [f"# Decode benchmarks\n\n{env}\n\nSame-run memory copy: **{env['copy_gb_per_s']:.4g} GB/s** "
+        f"(x + 1 over {env['copy_bytes'] / 2**20:.0f} MiB; read + write).\n\n{BYTES_NOTE}",
+        f"## Time to first token (prompt {s['ttft_context']} tokens, batch 1, K={s['kv_heads'][0]}; prefill + first "
+        "token)\n\n" + report.markdown_table(ttft, ["backend", "chosen", "model", "K", "batch", "context", "status",
+                                                    "ttft_ms", "decode_ms_per_step"]),
+        "## MHA / GQA / MQA\n\n" + "\n".join(ratio_lines(rows, s["ratio_at"])) + "\n\n"
+        + report.markdown_table(table, COLUMNS)]
+  if reasons:
+    md.append("## Not measured\n\n" + "\n".join(f"- {n} point(s): {why}" for why, n in sorted(reasons.items())))
+  if notes:
+    md.append("## Notes\n\n" + "\n".join(notes))
+  md += [f"![{p}]({p})" for p in plots]
+  with open(os.path.join(out, "decode.md"), "w") as f:
+    f.write("\n\n".join(md) + "\n")
+  return plots

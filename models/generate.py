@@ -1,0 +1,268 @@
+"""Text generation with a KV cache: the prompt in one compiled call, the decode loop in another.
+
+Re-running the whole window for every new token costs a forward pass over T tokens and a
+Python dispatch per token. Here the prompt goes through the model once (`prefill`, every row
+right-padded to one length and told its real one), filling each block's KV cache, and the
+new tokens come from one `lax.while_loop` program (`decode`) that feeds one token per row per
+step and stops when every row has emitted the stop token. Prompt lengths are padded to a
+multiple of BUCKET so that prompts of similar length share one compile; the compiled
+programs are kept per (model graph, batch, cache length, prompt length, sampling rule).
+
+Letters: B rows, P padded prompt length, L cache length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from models.gpt import GPT
+
+BUCKET = 64  # prompt and cache lengths are rounded up to a multiple of this (capped at seq_len)
+NO_STOP = -1  # the stop token's runtime value when there is none: no sampled id equals it
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  temperature: float = 1.0  # 0 = greedy (argmax); otherwise logits / temperature
+  top_k: int | None = None  # keep the k most likely tokens; None = all
+  seed: int = 0  # the random stream of the whole generation
+
+  def __post_init__(self):
+    t = self.temperature
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+      raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {t!r}")
+    k = self.top_k
+    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+      raise ValueError(f"top_k must be an integer >= 1, or None to keep every token; got {self.top_k!r}")
+
+  def check(self, vocab_size: int) -> None:
+    if self.top_k is not None and self.top_k > vocab_size:
+      raise ValueError(f"top_k ({self.top_k}) must be <= the model's vocab_size ({vocab_size}); "
+                       "None keeps every token")
+
+
+def sample(logits: Float[Array, "B V"], key, sampling: Sampling) -> Int[Array, "B"]:
+  """One token per row: argmax at temperature 0, else a draw from softmax(logits / T) over the top k."""
+  if sampling.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / sampling.temperature
+  if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+    kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # (B, 1) the k-th largest
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+def bucket(n: int, limit: int) -> int:
+  """n rounded up to a multiple of BUCKET, at most `limit` (and at least n)."""
+  return max(n, min(limit, -(-n // BUCKET) * BUCKET))
+
+
+def check_fits(seq_len: int, prompt_len: int, max_new_tokens: int) -> None:
+  """ValueError unless a prompt of `prompt_len` tokens plus `max_new_tokens` fit the context."""
+  if prompt_len < 1:
+    raise ValueError("the prompt is empty: give at least one token")
+  if prompt_len > seq_len:
+    raise ValueError(f"the prompt has {prompt_len} tokens, more than the model's context (seq_len {seq_len}); "
+                     f"shorten it to at most {seq_len - 1} tokens to leave room for one new token")
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+  if prompt_len + max_new_tokens > seq_len:
+    raise ValueError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones is "
+                     f"{prompt_len + max_new_tokens}, past the model's context (seq_len {seq_len}): "
+                     f"at most {seq_len - prompt_len} new tokens fit"
+                     if seq_len > prompt_len else
+                     f"the prompt fills the model's context (seq_len {seq_len}): no new token fits; shorten it")
+
+
+# ---- the two compiled programs: (params, rest, cache, key, ...) -> (cache, key, ...) ----
+
+def _prefill(params, rest, cache, key, prompts, lengths, *, graphdef, sampling):
+  model = nnx.merge(graphdef, params, cache, rest)
+  last = model(prompts, decode=True, lengths=lengths, last_only=True)[:, 0]  # (B, V) at each last real token
+  key, sub = jax.random.split(key)
+  return nnx.state(model, nnx.Cache), key, sample(last, sub, sampling)
+
+
+def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling, width):
+  B = first.shape[0]
+
+  def more(carry):
+    i, _, _, _, done, _, _ = carry
+    return (i < steps) & ~jnp.all(done)
+
+  def step(carry):
+    i, cache, key, token, done, out, n_new = carry
+    model = nnx.merge(graphdef, params, cache, rest)
+    logits = model(token[:, None], decode=True)[:, 0]  # (B, V)
+    key, sub = jax.random.split(key)
+    token = jnp.where(done, stop, sample(logits, sub, sampling))  # (B,) a finished row repeats its stop
+    out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))  # out[:, i] = token
+    return i + 1, nnx.state(model, nnx.Cache), key, token, done | (token == stop), out, n_new + ~done
+
+  out = jnp.full((B, width), stop, jnp.int32)  # (B, width) the new tokens; columns past the loop's end hold stop
+  carry = (jnp.int32(0), cache, key, first, first == stop, out, jnp.zeros((B,), jnp.int32))
+  _, cache, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
+  return cache, key, out, n_new
+
+
+_COMPILED: dict = {}  # (program, static arguments, argument shapes) -> executable
+
+
+def _compiled(fn, statics: dict, args: tuple):
+  """fn compiled for `args`' shapes, its cache argument donated; and the seconds compiling took (0: reused)."""
+  leaves, tree = jax.tree.flatten(args)
+  key = (fn.__name__, tuple(sorted(statics.items())), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+  if key in _COMPILED:
+    return _COMPILED[key], 0.0
+  t0 = time.perf_counter()
+  _COMPILED[key] = jax.jit(lambda *a: fn(*a, **statics), donate_argnums=2).lower(*args).compile()
+  return _COMPILED[key], time.perf_counter() - t0
+
+
+def _cast(tree, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+class Decoder:
+  """Prefill and the decode loop for one (model, batch, cache_len, prompt_len, sampling), compiled once.
+
+  The parameters are cast once to the model's compute dtype (a decode step reads bfloat16
+  weights from a bfloat16 model). backend=None (or the model's own) keeps the model's graph
+  and all its state; another name rebuilds the graph with that attention backend around the
+  same nnx.Param state, so a te-fp8 model samples under "xla"; any other state (te-fp8's
+  FP8Meta scaling) is then the new backend's own, fresh.
+  """
+
+  def __init__(self, model: GPT, *, batch: int, cache_len: int, prompt_len: int, sampling: Sampling,
+               stop_token: int | None = None, backend: str | None = None):
+    cfg = model.cfg
+    if backend not in (None, cfg.backend):
+      cfg = dataclasses.replace(cfg, backend=backend, fp8_core=cfg.fp8_core if backend == "te-fp8" else "fp8")
+    sampling.check(cfg.vocab_size)
+    if batch < 1:
+      raise ValueError(f"batch must be >= 1; got {batch}")
+    if not 1 <= prompt_len <= cache_len <= cfg.seq_len:
+      raise ValueError(f"need 1 <= prompt_len ({prompt_len}) <= cache_len ({cache_len}) <= seq_len ({cfg.seq_len})")
+    if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
+      raise ValueError(f"stop_token ({stop_token}) must be a token id in [0, {cfg.vocab_size})")
+    self.cfg, self.batch, self.cache_len, self.prompt_len = cfg, batch, cache_len, prompt_len
+    self.sampling, self.stop = sampling, NO_STOP if stop_token is None else stop_token
+
+    def build() -> GPT:  # the decoding graph: the model under `cfg`, with a cache
+      m = GPT(cfg, rngs=nnx.Rngs(0))
+      m.init_cache(batch, cache_len)
+      return m
+
+    self.graphdef, params, self._cache_shapes, rest = nnx.split(nnx.eval_shape(build), nnx.Param, nnx.Cache, ...)
+    source = nnx.state(model, nnx.Param)
+    if jax.tree.structure(source) != jax.tree.structure(params):
+      raise ValueError("the model's parameters do not fit the decoding graph (a GPT built from model.cfg)")
+    self.params = _cast(source, jnp.dtype(cfg.dtype))  # cast once
+    if cfg == model.cfg:  # the model's own non-parameter state (e.g. te-fp8's trained FP8 scaling)
+      rest = nnx.split(model, nnx.Param, nnx.Cache, ...)[3]
+    elif jax.tree.leaves(rest):  # the new backend's own fresh state (only the parameters carry over)
+      rest = jax.jit(lambda: nnx.split(build(), nnx.Param, nnx.Cache, ...)[3])()
+    self.rest = rest
+    self._compile()
+
+  def _compile(self) -> None:
+    """Compiles (or finds compiled) both programs for this decoder's shapes; compile_s: the seconds it took."""
+    B, i32 = self.batch, jnp.int32
+    spec = lambda shape, dtype=i32: jax.ShapeDtypeStruct(shape, dtype)
+    state = (self.params, self.rest, self._cache_shapes, jax.eval_shape(lambda: jax.random.key(0)))
+    statics = {"graphdef": self.graphdef, "sampling": dataclasses.replace(self.sampling, seed=0)}
+    self._prefill, t1 = _compiled(_prefill, statics, (*state, spec((B, self.prompt_len)), spec((B,))))
+    self._decode, t2 = _compiled(_decode, statics | {"width": self.cache_len},
+                                 (*state, spec((B,)), spec(()), spec(())))
+    self.compile_s = t1 + t2
+
+  def init_state(self) -> dict:
+    """The parameters, an empty cache for (batch, cache_len) and the sampling's random key."""
+    cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._cache_shapes)
+    return {"params": self.params, "rest": self.rest, "cache": cache, "key": jax.random.key(self.sampling.seed),
+            "pos": np.zeros((self.batch,), np.int64)}  # pos: each row's next position, known on the host
+
+  def _args(self, state: dict) -> tuple:
+    return state["params"], state["rest"], state["cache"], state["key"]
+
+  def prefill(self, state: dict, prompts: Int[Array, "B P"], lengths: Int[Array, "B"]) -> tuple[dict, Int[Array, "B"]]:
+    """The prompt chunk through the model (rows right-padded to prompt_len), and each row's first new token."""
+    prompts, lengths = np.asarray(prompts), np.asarray(lengths)
+    if prompts.shape != (self.batch, self.prompt_len) or lengths.shape != (self.batch,):
+      raise ValueError(f"prompts must be ({self.batch}, {self.prompt_len}) and lengths ({self.batch},); "
+                       f"got {prompts.shape} and {lengths.shape}")
+    if lengths.min() < 1 or lengths.max() > self.prompt_len:
+      raise ValueError(f"lengths must lie in [1, prompt_len={self.prompt_len}]; got {lengths.tolist()}")
+    if state["pos"].max() + self.prompt_len > self.cache_len:
+      raise ValueError(f"a chunk of {self.prompt_len} tokens after position {state['pos'].max()} passes the "
+                       f"cache's {self.cache_len} positions")
+    cache, key, first = self._prefill(*self._args(state), jnp.asarray(prompts, jnp.int32),
+                                      jnp.asarray(lengths, jnp.int32))
+    return state | {"cache": cache, "key": key, "pos": state["pos"] + lengths}, first
+
+  def decode(self, state: dict, first_tokens: Int[Array, "B"], steps: int) -> tuple[dict, Int[Array, "B S"],
+                                                                                     Int[Array, "B"]]:
+    """Up to `steps` one-token steps in one compiled loop, fed `first_tokens`; stops once every row has
+    emitted the stop token. Returns (state, tokens (B, steps), n_new (B,): each row's new tokens up to
+    and including its stop); tokens after a row's stop are the stop token."""
+    room = self.cache_len - int(state["pos"].max())
+    if not 0 <= steps <= room:
+      raise ValueError(f"steps must be in [0, {room}]: the cache has {self.cache_len} positions and its fullest row "
+                       f"is at {int(state['pos'].max())}; got {steps}")
+    cache, key, out, n_new = self._decode(*self._args(state), jnp.asarray(first_tokens, jnp.int32), jnp.int32(steps),
+                                         jnp.int32(self.stop))
+    return state | {"cache": cache, "key": key, "pos": state["pos"] + steps}, out[:, :steps], n_new
+
+
+@dataclasses.dataclass
+class Generation:
+  tokens: list[np.ndarray]  # new tokens per row, up to and including the stop token
+  time_to_first_token_s: float  # prefill + first sample, compiled (compile time excluded)
+  decode_tokens_per_s: float  # new tokens from the decode loop per second of it (nan: no decode step)
+  compile_s: float  # compiling prefill and decode (0 when this shape was compiled before)
+
+
+def generate(model: GPT, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
+             stop_token: int | None = None, backend: str | None = None) -> Generation:
+  """Continues each prompt (1-d token ids; rows may differ in length) by up to max_new_tokens tokens."""
+  cfg = model.cfg
+  rows = [np.asarray(p).reshape(-1) for p in prompts]
+  if not rows:
+    raise ValueError("no prompts: give at least one")
+  for i, p in enumerate(rows):
+    check_fits(cfg.seq_len, len(p), max_new_tokens)
+    if not np.issubdtype(p.dtype, np.integer) or p.min() < 0 or p.max() >= cfg.vocab_size:
+      raise ValueError(f"prompt {i} must hold integer token ids in [0, {cfg.vocab_size}); "
+                       f"got {p.dtype} values in [{p.min()}, {p.max()}]")
+  lengths = np.array([len(p) for p in rows], np.int32)
+  longest = int(lengths.max())
+  prompt_len = bucket(longest, cfg.seq_len)
+  decoder = Decoder(model, batch=len(rows), cache_len=bucket(longest + max_new_tokens, cfg.seq_len),
+                    prompt_len=prompt_len, sampling=sampling, stop_token=stop_token, backend=backend)
+  padded = np.zeros((len(rows), prompt_len), np.int32)  # (B, P) right-padded
+  for b, p in enumerate(rows):
+    padded[b, :len(p)] = p
+  state = decoder.init_state()
+  ttft, (state, first) = _timed(lambda: decoder.prefill(state, padded, lengths))
+  first = np.asarray(first)
+  decode_s, (state, tokens, n_new) = _timed(lambda: decoder.decode(state, first, max_new_tokens - 1))
+  tokens, n_new = np.asarray(tokens), np.asarray(n_new)
+  out = [np.concatenate([first[b:b + 1], tokens[b, :n_new[b]]]) for b in range(len(rows))]
+  rate = float(n_new.sum()) / decode_s if max_new_tokens > 1 else float("nan")
+  return Generation(out, ttft, rate, decoder.compile_s)
+
+
+def _timed(call):
+  """(seconds the call took, its result with every array ready)."""
+  t0 = time.perf_counter()
+  result = jax.block_until_ready(call())
+  return time.perf_counter() - t0, result

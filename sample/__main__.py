@@ -1,0 +1,3 @@
+from train.sample_cli import main
+
+main()

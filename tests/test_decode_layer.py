@@ -1,0 +1,195 @@
+"""Decoding with attnlayers.nnx.MultiHeadAttention's KV cache (issue 11, the layer), on a CPU.
+
+One-token steps against Flax's own class, chunked prefill against the full causal forward,
+a ragged batch against its rows decoded alone, the cache's shape and dtype, and what decoding
+past the cache does (an error eagerly, NaN rows under jit; Flax's class clamps its write
+index there and returns another position's values without a word).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attnlayers.nnx import MultiHeadAttention
+from tests import reference
+
+N, D = 4, 32  # query heads, model width: head dim 8
+KV_HEADS = {"MHA": 4, "GQA": 2, "MQA": 1}
+BACKENDS = ["naive", "xla", "auto"]
+
+
+def layer(backend, kv_heads, **kwargs):
+  """A causal layer; the same parameters on every call (rngs seed 0)."""
+  return MultiHeadAttention(N, D, num_kv_heads=kv_heads, decode=False, backend=backend, is_causal=True,
+                            rngs=nnx.Rngs(0), **kwargs)
+
+
+def tokens(*shape, seed=1):
+  return jax.random.normal(jax.random.key(seed), (*shape, D))
+
+
+def flax_twin(ours, kv_heads):
+  """Flax's own class holding our layer's parameters (copied, so a different init cannot pass for equality)."""
+  flax = nnx.MultiHeadAttention(N, D, num_kv_heads=kv_heads, decode=False, rngs=nnx.Rngs(7))
+  nnx.update(flax, nnx.state(ours, nnx.Param))
+  return flax
+
+
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+@pytest.mark.parametrize("backend", ["xla", "auto"])
+def test_one_token_decode_is_flax_bit_for_bit(backend, heads):
+  """Steps 0..4 into a cache of 8 (so unwritten slots must be masked): outputs and caches equal Flax's bits."""
+  ours = layer(backend, KV_HEADS[heads])
+  flax = flax_twin(ours, KV_HEADS[heads])
+  x = tokens(2, 8)
+  ours.init_cache(x.shape, dtype=jnp.float32)
+  flax.init_cache(x.shape, dtype=jnp.float32)
+  for t in range(5):
+    np.testing.assert_array_equal(ours(x[:, t:t + 1], decode=True), flax(x[:, t:t + 1], decode=True),
+                                  err_msg=f"{backend} {heads} step {t}")
+  for name in ("cached_key", "cached_value"):
+    np.testing.assert_array_equal(getattr(ours, name)[...], getattr(flax, name)[...], err_msg=name)
+  np.testing.assert_array_equal(ours.cache_index[...], [5, 5])
+  assert int(flax.cache_index[...]) == 5
+
+
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+def test_one_token_decode_naive_matches_flax(heads):
+  """naive is not Flax's kernel (its float32 score einsum groups heads differently, off by an ulp
+  even without a cache), so against Flax it is held to the float32 tolerance; the caches are
+  the projections' own bits."""
+  ours = layer("naive", KV_HEADS[heads])
+  flax = flax_twin(ours, KV_HEADS[heads])
+  x = tokens(2, 8)
+  ours.init_cache(x.shape, dtype=jnp.float32)
+  flax.init_cache(x.shape, dtype=jnp.float32)
+  for t in range(5):
+    reference.assert_close(ours(x[:, t:t + 1], decode=True), flax(x[:, t:t + 1], decode=True), jnp.float32,
+                           what=f"naive {heads} step {t}")
+  for name in ("cached_key", "cached_value"):
+    np.testing.assert_array_equal(getattr(ours, name)[...], getattr(flax, name)[...], err_msg=name)
+
+
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_then_steps_equal_the_causal_forward(backend, heads):
+  """Chunks of 5 and 4 tokens, then 3 one-token steps, into a cache of 16: the full causal forward's numbers."""
+  m = layer(backend, KV_HEADS[heads])
+  x = tokens(2, 12)
+  full = m(x, decode=False, is_causal=True)
+  m.init_cache((2, 16, D))
+  parts = [m(x[:, :5], decode=True), m(x[:, 5:9], decode=True)]
+  parts += [m(x[:, t:t + 1], decode=True) for t in range(9, 12)]
+  reference.assert_close(jnp.concatenate(parts, axis=1), full, jnp.float32, what=f"{backend} {heads} decode vs full")
+  np.testing.assert_array_equal(m.cache_index[...], [12, 12])
+
+
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ragged_batch_equals_each_row_decoded_alone(backend, heads):
+  """A right-padded prompt chunk (5 tokens, 5/2/3 real), two steps, then a chunk of 3 with 1/3/0 real.
+
+  The batch decodes under nnx.jit (traced positions and lengths, as a decode loop runs), each
+  row alone eagerly with only its real tokens. Real positions agree, padding ones are finite.
+  """
+  kv_heads = KV_HEADS[heads]
+  prompt, steps, chunk = tokens(3, 5, seed=1), [tokens(3, 1, seed=2), tokens(3, 1, seed=3)], tokens(3, 3, seed=4)
+  prompt_len, chunk_len = [5, 2, 3], [1, 3, 0]
+  batch = layer(backend, kv_heads)
+  batch.init_cache((3, 16, D))
+  decode = nnx.jit(lambda m, x, lengths: m(x, decode=True, lengths=lengths))
+  outs = [decode(batch, prompt, jnp.array(prompt_len, jnp.int32))]
+  outs += [decode(batch, x, jnp.ones(3, jnp.int32)) for x in steps]
+  outs.append(decode(batch, chunk, jnp.array(chunk_len, jnp.int32)))
+  for out in outs:
+    assert np.isfinite(np.asarray(out)).all(), "outputs at padding positions must be finite"
+  np.testing.assert_array_equal(batch.cache_index[...], np.add(prompt_len, 2) + chunk_len)
+  for b in range(3):
+    alone = layer(backend, kv_heads)
+    alone.init_cache((1, 16, D))
+    row = lambda x, n: x[b:b + 1, :n]  # (1, n, D): the row's real tokens only
+    want = [alone(row(prompt, prompt_len[b]), decode=True)] + [alone(row(x, 1), decode=True) for x in steps]
+    got = [outs[0][b:b + 1, :prompt_len[b]], outs[1][b:b + 1], outs[2][b:b + 1]]
+    if chunk_len[b]:
+      want.append(alone(row(chunk, chunk_len[b]), decode=True))
+      got.append(outs[3][b:b + 1, :chunk_len[b]])
+    for i, (g, w) in enumerate(zip(got, want)):
+      reference.assert_close(g, w, jnp.float32, what=f"{backend} {heads} row {b} call {i}")
+    end = int(alone.cache_index[0])
+    assert int(batch.cache_index[b]) == end
+    for name in ("cached_key", "cached_value"):
+      reference.assert_close(getattr(batch, name)[b, :end], getattr(alone, name)[0, :end], jnp.float32,
+                             what=f"{name} row {b}")
+
+
+@pytest.mark.parametrize("dtype, param_dtype, want", [(None, jnp.float32, jnp.float32),
+                                                      (jnp.bfloat16, jnp.float32, jnp.bfloat16),
+                                                      (None, jnp.bfloat16, jnp.bfloat16)],
+                         ids=["float32", "bf16-compute", "bf16-params"])
+def test_cache_holds_kv_heads_in_the_compute_dtype(dtype, param_dtype, want):
+  m = MultiHeadAttention(N, D, num_kv_heads=2, decode=False, backend="xla", dtype=dtype, param_dtype=param_dtype,
+                         rngs=nnx.Rngs(0))
+  m.init_cache((3, 2, 16, D))  # two batch dims
+  for name in ("cached_key", "cached_value"):
+    cache = getattr(m, name)[...]
+    assert cache.shape == (3, 2, 16, 2, D // N) and cache.dtype == want, (name, cache.shape, cache.dtype)
+  index = m.cache_index[...]
+  assert index.shape == (3, 2) and index.dtype == jnp.int32 and not index.any()
+  y = m(tokens(3, 2, 4).astype(want), decode=True)
+  assert y.shape == (3, 2, 4, D)
+  np.testing.assert_array_equal(m.cache_index[...], np.full((3, 2), 4))
+  m.init_cache((3, 2, 16, D), dtype=jnp.float32)  # an explicit dtype wins
+  assert m.cached_key[...].dtype == m.cached_value[...].dtype == jnp.float32
+
+
+def _names(message: str, *numbers) -> bool:
+  return all(re.search(rf"(?<!\d){n}(?!\d)", message) for n in numbers)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_past_the_cache_raises_and_leaves_it_unchanged(backend):
+  """Cache of 6 at position 4: 3 more tokens raise, naming 4, 3 and 6; a refused call writes nothing."""
+  m = layer(backend, 2)
+  m.init_cache((2, 6, D))
+  m(tokens(2, 4), decode=True)
+  before = {name: np.asarray(getattr(m, name)[...]) for name in ("cached_key", "cached_value", "cache_index")}
+  with pytest.raises(ValueError) as error:
+    m(tokens(2, 3, seed=2), decode=True)
+  assert _names(str(error.value), 4, 3, 6), str(error.value)
+  with pytest.raises(ValueError) as error:  # only row 1's real tokens overflow
+    m(tokens(2, 3, seed=2), decode=True, lengths=jnp.array([2, 3], jnp.int32))
+  assert _names(str(error.value), 4, 3, 6), str(error.value)
+  for name, value in before.items():
+    np.testing.assert_array_equal(getattr(m, name)[...], value, err_msg=f"{name} changed by a refused call")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_past_the_cache_end_is_not_an_overflow(backend):
+  """Cache of 6 at position 4, a chunk of 3 with 2 real tokens: the padding slot falls off the end, harmlessly."""
+  m = layer(backend, 2)
+  x = tokens(2, 6)
+  full = m(x, decode=False, is_causal=True)
+  m.init_cache((2, 6, D))
+  head = m(x[:, :4], decode=True)
+  tail = m(jnp.concatenate([x[:, 4:], tokens(2, 1, seed=9)], axis=1), decode=True, lengths=jnp.array([2, 2], jnp.int32))
+  reference.assert_close(jnp.concatenate([head, tail[:, :2]], axis=1), full, jnp.float32, what=f"{backend} to the end")
+  np.testing.assert_array_equal(m.cache_index[...], [6, 6])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decoding_past_the_cache_under_jit_gives_nan_rows(backend):
+  """Under nnx.jit positions are traced, so nothing can raise: the overflowing row is NaN, the other row is right."""
+  decode = nnx.jit(lambda m, x, lengths: m(x, decode=True, lengths=lengths))
+  m = layer(backend, 2)
+  x = tokens(2, 6)
+  full = m(x, decode=False, is_causal=True)
+  m.init_cache((2, 6, D))
+  decode(m, x[:, :4], jnp.array([4, 4], jnp.int32))
+  out = np.asarray(decode(m, jnp.concatenate([x[:, 4:], tokens(2, 1, seed=9)], axis=1), jnp.array([2, 3], jnp.int32)))
+  assert np.isnan(out[1]).all(), "row 1 writes 3 tokens at position 4 of a cache of 6"
+  assert np.isfinite(out[0]).all()
+  reference.assert_close(out[0, :2], full[0, 4:], jnp.float32, what=f"{backend} row 0 beside an overflowing row")

@@ -1,0 +1,213 @@
+"""KV-cache generation (models.generate) on CPU: the cached decoder gives the tokens that
+re-running the whole sequence for every new token gives, on every CPU backend and head
+layout; ragged batches, stop tokens, sampling, backend switches and errors.
+
+Models are tiny (2 layers, d_model 32, float32) with parameters drawn at a large scale and
+positions at a larger one, so that greedy decoding wanders over many tokens instead of
+repeating one.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from models.generate import Decoder, Sampling, generate
+
+GREEDY = Sampling(temperature=0)
+PROMPTS = [np.array([5, 9, 2]), np.arange(17) % 7 + 20, (np.arange(50) * 7) % 64]  # ragged: 3, 17, 50 tokens
+NEW = 20
+
+
+def config(backend="xla", n_kv_head=2, **overrides) -> models.GPTConfig:
+  return models.GPTConfig(**{"vocab_size": 64, "seq_len": 96, "n_layer": 2, "n_head": 4, "n_kv_head": n_kv_head,
+                             "d_model": 32, "dtype": "float32", "backend": backend} | overrides)
+
+
+def model(cfg: models.GPTConfig) -> models.GPT:
+  """A GPT with normal(0, 0.5) parameters and normal(0, 10) positions (drawn by numpy: nothing to compile)."""
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  rng = np.random.default_rng(1)
+  draw = lambda path, x: jnp.asarray(rng.normal(0, 10.0 if "wpe" in jax.tree_util.keystr(path) else 0.5, x.shape),
+                                     x.dtype)
+  return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, params))
+
+
+def forward(m: models.GPT):
+  """The model's logits (V,) of every position of one sequence, from a pass over all of it (no cache)."""
+  graphdef, state = nnx.split(m)
+  run = jax.jit(lambda state, buf: nnx.merge(graphdef, state)(buf[None])[0])  # (seq_len, V)
+
+  def logits(seq) -> np.ndarray:  # (len(seq), V)
+    buf = np.zeros(m.cfg.seq_len, np.int32)  # a causal model does not see the padding after the sequence
+    buf[:len(seq)] = seq
+    return np.asarray(run(state, buf))[:len(seq)]
+  return logits
+
+
+def greedy_by_recomputation(logits, prompt, n: int) -> list[int]:
+  """Each new token from a pass over the whole sequence so far."""
+  seq = list(prompt)
+  for _ in range(n):
+    seq.append(int(np.argmax(logits(seq)[-1])))
+  return seq[len(prompt):]
+
+
+def cached_logits(m: models.GPT, prompts, continuations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Logits through the KV cache: the ragged prompts as one right-padded chunk (B, P, V), then
+  the continuations (B, C) as a second chunk at each row's own position (B, C, V)."""
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  padded = np.zeros((len(prompts), lengths.max()), np.int32)
+  for b, p in enumerate(prompts):
+    padded[b, :len(p)] = p
+  m = nnx.clone(m)
+  m.init_cache(len(prompts), m.cfg.seq_len)
+  graphdef, state = nnx.split(m)
+
+  @jax.jit
+  def chunk(state, tokens, lengths):
+    model = nnx.merge(graphdef, state)
+    return model(tokens, decode=True, lengths=lengths), nnx.state(model)
+
+  first, state = chunk(state, padded, lengths)
+  second, _ = chunk(state, continuations, np.full(len(prompts), continuations.shape[1], np.int32))
+  return np.asarray(first), np.asarray(second)
+
+
+def assert_logits_close(got, want):
+  """float32 logits of two orders of summation: within 1e-5 of the largest."""
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("backend", ["naive", "xla"])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_cached_greedy_equals_recomputation(backend, n_kv_head):
+  m = model(config(backend, n_kv_head))
+  logits = forward(m)
+  want = [greedy_by_recomputation(logits, prompt, NEW) for prompt in PROMPTS]
+  assert len({t for row in want for t in row}) >= 4, f"degenerate test: greedy repeats a few tokens: {want}"
+  gen = generate(m, PROMPTS, max_new_tokens=NEW, sampling=GREEDY)
+  assert [t.tolist() for t in gen.tokens] == want
+  # the logits along that path: the cache's (prompt chunk, then the new tokens as a chunk) against full passes
+  first, second = cached_logits(m, PROMPTS, np.array(want))
+  for b, (prompt, new) in enumerate(zip(PROMPTS, want)):
+    full = logits(list(prompt) + new)  # (len + NEW, V)
+    assert_logits_close(first[b, :len(prompt)], full[:len(prompt)])
+    assert_logits_close(second[b], full[len(prompt):])
+
+
+def test_ragged_batch_equals_each_row_alone():
+  m = model(config())
+  together = generate(m, PROMPTS, max_new_tokens=NEW, sampling=GREEDY).tokens
+  for prompt, tokens in zip(PROMPTS, together):
+    alone = generate(m, [prompt], max_new_tokens=NEW, sampling=GREEDY).tokens[0]
+    np.testing.assert_array_equal(tokens, alone)
+
+
+def test_stop_token_ends_each_row_at_its_first_stop():
+  m = model(config())
+  free = [t.tolist() for t in generate(m, PROMPTS, max_new_tokens=NEW, sampling=GREEDY).tokens]
+  stop = next(t for k, t in enumerate(free[0]) if k >= 2 and t not in free[0][:k])  # first seen at position k >= 2
+  gen = generate(m, PROMPTS, max_new_tokens=NEW, sampling=GREEDY, stop_token=stop)
+  for row, tokens in zip(free, gen.tokens):
+    want = row[:row.index(stop) + 1] if stop in row else row
+    assert tokens.tolist() == want
+  assert gen.tokens[0][-1] == stop and len(gen.tokens[0]) < NEW
+
+
+def test_decode_is_one_compiled_loop_and_pads_finished_rows_with_stop():
+  m = model(config())
+  d = Decoder(m, batch=2, cache_len=64, prompt_len=64, sampling=GREEDY, stop_token=0)
+  assert "while" in d._decode.as_text()  # one program for every step, not a dispatch per token
+  prompts = np.zeros((2, 64), np.int32)
+  prompts[:, :3] = PROMPTS[0]
+  state, first = d.prefill(d.init_state(), prompts, np.array([3, 3]))
+  state, tokens, n_new = d.decode(state, np.array([0, int(first[1])]), 10)  # row 0 has already stopped
+  assert tokens.shape == (2, 10) and tokens[0].tolist() == [0] * 10 and int(n_new[0]) == 0
+  stopped = tokens[1].tolist().index(0) + 1 if 0 in tokens[1].tolist() else 10
+  assert int(n_new[1]) == stopped and tokens[1, stopped:].tolist() == [0] * (10 - stopped)
+
+
+def test_same_shapes_reuse_the_compiled_programs():
+  m = model(config(n_layer=1))
+  first = generate(m, [PROMPTS[0]], max_new_tokens=5, sampling=GREEDY)
+  again = generate(m, [PROMPTS[1]], max_new_tokens=6, sampling=GREEDY)  # same buckets: prompt 64, cache 64
+  assert first.compile_s > 0 and again.compile_s == 0
+  for g in (first, again):
+    assert 0 < g.time_to_first_token_s < 10 and g.decode_tokens_per_s > 0
+
+
+def test_sampling_follows_seed_temperature_and_top_k():
+  m = model(config(n_layer=1))
+  draw = lambda **kw: [t.tolist() for t in generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=Sampling(**kw)).tokens]
+  assert draw(temperature=1.0, seed=3) == draw(temperature=1.0, seed=3)
+  assert draw(temperature=1.0, seed=3) != draw(temperature=1.0, seed=4)
+  greedy = [t.tolist() for t in generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=GREEDY).tokens]
+  assert draw(temperature=1.0, top_k=1, seed=5) == greedy  # the one most likely token
+
+
+def test_parameters_cast_once_to_the_compute_dtype():
+  m = model(config(dtype="bfloat16"))
+  d = Decoder(m, batch=1, cache_len=64, prompt_len=64, sampling=GREEDY)
+  assert {x.dtype for x in jax.tree.leaves(d.params)} == {jnp.dtype(jnp.bfloat16)}
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(m, nnx.Param))} == {jnp.dtype(jnp.float32)}  # model untouched
+  assert len(generate(m, [PROMPTS[0]], max_new_tokens=4, sampling=GREEDY).tokens[0]) == 4
+
+
+def test_te_fp8_model_samples_under_xla_from_its_parameters_alone():
+  """A te-fp8 model (buildable on CPU, not runnable) carries FP8Meta state beside its parameters;
+  backend="xla" rebuilds the graph around the parameters only."""
+  fp8_model = models.GPT(config("te-fp8", dtype="bfloat16"), rngs=nnx.Rngs(0))
+  assert jax.tree.leaves(nnx.state(fp8_model, nnx.Not(nnx.Param)))  # FP8Meta variables are there
+  xla_model = models.GPT(config("xla", dtype="bfloat16"), rngs=nnx.Rngs(1))
+  nnx.update(xla_model, nnx.state(fp8_model, nnx.Param))
+  got = generate(fp8_model, PROMPTS, max_new_tokens=6, sampling=GREEDY, backend="xla").tokens
+  want = generate(xla_model, PROMPTS, max_new_tokens=6, sampling=GREEDY).tokens
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("prompts, new, message", [
+    ([], 5, "no prompts"),
+    ([np.array([], np.int32)], 5, "the prompt is empty"),
+    ([np.arange(100) % 64], 5, "the prompt has 100 tokens, more than the model's context (seq_len 96)"),
+    ([np.arange(90) % 64], 10, "past the model's context (seq_len 96): at most 6 new tokens fit"),
+    ([np.arange(96) % 64], 1, "the prompt fills the model's context (seq_len 96): no new token fits"),
+    ([np.array([3, 64])], 5, "token ids in [0, 64)"),
+    ([np.array([3])], 0, "max_new_tokens must be >= 1"),
+], ids=["none", "empty", "too-long", "no-room", "full", "bad-id", "zero-new"])
+def test_bad_prompts_are_clear_errors(prompts, new, message):
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    generate(model(config(n_layer=1)), prompts, max_new_tokens=new)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
+    ({"top_k": 0}, "top_k must be an integer >= 1"),
+])
+def test_bad_sampling_is_a_clear_error(kw, message):
+  with pytest.raises(ValueError, match=message):
+    Sampling(**kw)
+
+
+def test_top_k_beyond_the_vocabulary_is_a_clear_error():
+  with pytest.raises(ValueError, match=r"top_k \(65\) must be <= the model's vocab_size \(64\)"):
+    generate(model(config(n_layer=1)), [PROMPTS[0]], max_new_tokens=3, sampling=Sampling(top_k=65))
+
+
+def test_decode_calls_of_the_model_check_their_input():
+  m = model(config(n_layer=1))
+  with pytest.raises(ValueError, match="call model.init_cache"):
+    m(jnp.zeros((1, 2), jnp.int32), decode=True)
+  with pytest.raises(ValueError, match="lengths= applies with decode=True only"):
+    m(jnp.zeros((1, 2), jnp.int32), lengths=jnp.array([1]))
+  m.init_cache(1, 96)
+  m(jnp.zeros((1, 90), jnp.int32), decode=True)
+  with pytest.raises(ValueError, match=r"row 0 would reach position 99: past the model's context \(seq_len 96"):
+    m(jnp.zeros((1, 10), jnp.int32), decode=True)
+  with pytest.raises(ValueError, match=r"max_length \(97\) must be in \[1, seq_len=96\]"):
+    m.init_cache(1, 97)

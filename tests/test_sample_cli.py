@@ -1,0 +1,226 @@
+"""`python -m sample` and the trainer's default run folder, on CPU, in-process.
+
+One tiny model is trained once (python -m train without --ckpt-dir, in a temporary working
+folder); the tests sample from it, check that sampling leaves the folder as it was, and that
+every bad input exits with code 2 and says what would work.
+"""
+
+import contextlib
+import io
+import os
+import shlex
+import shutil
+
+import jax
+import pytest
+
+from train import checkpoint, cli, lock, loop, sample, sample_cli, stepdirs
+
+TRAIN = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "4", "--ckpt-every", "2",
+         "--no-progress", "--eval-every", "0", "--log-every", "1", "--sample-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """(working folder, the run folder python -m train made there, what it printed)."""
+  work = tmp_path_factory.mktemp("work")
+  out, before = io.StringIO(), os.getcwd()
+  os.chdir(work)
+  try:
+    with contextlib.redirect_stdout(out):
+      cli.main(TRAIN)
+  finally:
+    os.chdir(before)
+  runs = [d for d in os.listdir(work / cli.RUNS) if d.startswith("train-")]
+  assert len(runs) == 1, runs
+  return work, work / cli.RUNS / runs[0], out.getvalue()
+
+
+def sample_main(args, capsys, cwd=None) -> tuple[int, str, str]:
+  before = os.getcwd()
+  os.chdir(cwd or before)
+  try:
+    sample_cli.main(args)
+    code = 0
+  except SystemExit as e:
+    code = e.code
+  finally:
+    os.chdir(before)
+  captured = capsys.readouterr()
+  return code, captured.out, captured.err
+
+
+def snapshot(folder) -> dict:
+  """Every path under `folder` with its size, modification time and mode: what sampling must not change."""
+  stat = lambda path: (lambda st: (st.st_size, st.st_mtime_ns, st.st_mode))(os.lstat(path))
+  return {os.path.relpath(os.path.join(root, n), folder): stat(os.path.join(root, n))
+          for root, dirs, files in os.walk(folder) for n in dirs + files}
+
+
+def test_train_keeps_the_model_and_prints_the_command_that_samples_it(trained, capsys):
+  work, run, printed = trained
+  assert (work / cli.LATEST).read_text().strip() == run.name
+  assert stepdirs.listing(str(run)).ours == (2, 4)
+  assert "sample:\n" in printed
+  command = printed.strip().splitlines()[-1].strip()
+  assert command.startswith(f"python -m sample --ckpt-dir {cli.RUNS}/{run.name} --prompt "), printed
+  code, out, err = sample_main(shlex.split(command)[3:] + ["--tokens", "5"], capsys, cwd=work)  # as printed
+  assert code == 0, err
+  assert "step 4, trained on python-stdlib" in out
+
+
+def test_sample_prints_text_time_to_first_token_and_rate(trained, capsys):
+  work, run, _ = trained
+  before = snapshot(run)
+  code, out, err = sample_main(["--ckpt-dir", str(run), "--prompt", "def ", "--tokens", "10", "--seed", "3"], capsys)
+  assert code == 0, err
+  text = out.split("\n", 1)[1]  # after the line naming the checkpoint
+  assert text.startswith("def ")
+  assert "time to first token: " in out and " ms; decode: " in out and " tokens/s " in out
+  assert snapshot(run) == before  # nothing written, renamed or locked in the trainer's folder
+
+
+def test_no_ckpt_dir_samples_the_latest_run(trained, capsys):
+  work, run, _ = trained
+  code, out, err = sample_main(["--tokens", "4", "--temperature", "0"], capsys, cwd=work)
+  assert code == 0 and out.startswith(f"{cli.RUNS}/{run.name}: step 4"), err
+
+
+def test_batch_draws_several_samples(trained, capsys):
+  code, out, err = sample_main(["--ckpt-dir", str(trained[1]), "--batch", "3", "--tokens", "6", "--top-k", "5"], capsys)
+  assert code == 0, err
+  assert "--- sample 3 of 3" in out and "(3 x 6 new tokens" in out
+
+
+def test_samples_while_a_trainer_holds_the_folder(trained, capsys):
+  held = lock.DirLock(str(trained[1]))
+  held.acquire()
+  try:
+    code, _, err = sample_main(["--ckpt-dir", str(trained[1]), "--tokens", "3"], capsys)
+  finally:
+    held.release()
+  assert code == 0, err
+
+
+def test_a_damaged_newest_step_falls_back_to_the_older_one_untouched(trained, tmp_path, capsys):
+  copy = tmp_path / "run"
+  shutil.copytree(trained[1], copy)
+  meta = copy / "4" / "meta" / "metadata"
+  meta.write_text(meta.read_text() + " ")
+  before = snapshot(copy)
+  code, out, err = sample_main(["--ckpt-dir", str(copy), "--tokens", "3"], capsys)
+  assert code == 0 and f"{copy}: step 2" in out, err
+  assert "skipped a damaged checkpoint: step 4:" in err
+  assert snapshot(copy) == before  # reported, not set aside: that is the trainer's call
+
+
+def _copy_damaged(trained, d):
+  shutil.copytree(trained[1], d / "run")
+  for step in ("2", "4"):
+    meta = d / "run" / step / "meta" / "metadata"
+    meta.write_text(meta.read_text() + " ")
+  return str(d / "run")
+
+
+def _empty(d):
+  (d / "empty").mkdir()
+  return str(d / "empty")
+
+
+def _file(d):
+  (d / "f").write_text("x")
+  return str(d / "f")
+
+
+BAD = {
+    "missing-dir": (lambda t, d: ["--ckpt-dir", str(d / "nope")], "does not exist"),
+    "dir-is-a-file": (lambda t, d: ["--ckpt-dir", _file(d)], "is not a folder"),
+    "empty-dir": (lambda t, d: ["--ckpt-dir", _empty(d)], "holds no checkpoint"),
+    "no-intact-step": (lambda t, d: ["--ckpt-dir", _copy_damaged(t, d)], "is intact: step 4: "),
+    "prompt-too-long": (lambda t, d: ["--ckpt-dir", str(t[1]), "--prompt", "x" * 40],
+                        "the prompt is 40 tokens, and the model's context holds 32 in all"),
+    "tokens-past-context": (lambda t, d: ["--ckpt-dir", str(t[1]), "--prompt", "abcd", "--tokens", "30"],
+                            "--tokens 30 does not fit: the context holds 32 tokens and the prompt takes 4, "
+                            "so at most 28 new ones fit"),
+    "empty-prompt": (lambda t, d: ["--ckpt-dir", str(t[1]), "--prompt", ""], "the prompt is empty"),
+    "missing-prompt-file": (lambda t, d: ["--ckpt-dir", str(t[1]), "--prompt-file", str(d / "no.txt")],
+                            "cannot read it"),
+    "unknown-backend": (lambda t, d: ["--ckpt-dir", str(t[1]), "--attn", "flash"],
+                        "argument --attn: invalid choice: 'flash'"),
+    "backend-cannot-run": (lambda t, d: ["--ckpt-dir", str(t[1]), "--attn", "cudnn", "--tokens", "2"],
+                           "backend 'cudnn' cannot run"),  # the tiny model is float32: cuDNN refuses it anywhere
+    "top-k-past-vocab": (lambda t, d: ["--ckpt-dir", str(t[1]), "--top-k", "300"],
+                         "--top-k 300 is more than the model's vocabulary (256 tokens)"),
+    "top-k-0": (lambda t, d: ["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
+    "negative-temperature": (lambda t, d: ["--temperature", "-1"], "argument --temperature: must be a finite number"),
+    "nan-temperature": (lambda t, d: ["--temperature", "nan"], "argument --temperature: must be a finite number"),
+    "batch-0": (lambda t, d: ["--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    "no-latest-run": (lambda t, d: [], "no --ckpt-dir given and no runs/latest here"),
+}
+if jax.default_backend() == "cpu":  # a GPU with TransformerEngine may run it
+  BAD["te-fp8-cannot-run"] = (lambda t, d: ["--ckpt-dir", str(t[1]), "--attn", "te-fp8", "--tokens", "2"],
+                              "te-fp8 projections cannot run here")
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_exits_2_saying_what_would_work(trained, tmp_path, case, capsys):
+  args, message = BAD[case]
+  code, _, err = sample_main(args(trained, tmp_path), capsys, cwd=tmp_path)
+  assert code == 2 and message in err, err
+  assert "Traceback" not in err
+
+
+def test_prompts_of_a_gpt2_vocabulary_need_tiktoken():
+  with pytest.raises(ValueError, match="no tokenizer for a vocabulary of 1000"):
+    sample.encode("hi", 1000)
+  try:
+    import tiktoken  # noqa: F401
+  except ImportError:
+    with pytest.raises(ValueError, match=r"needs tiktoken \(pip install tiktoken\)"):
+      sample.encode("hi", 50304)
+  else:
+    assert len(sample.encode("hi", 50304)) >= 1
+
+
+# --- python -m train's run folders (loop.run replaced: only the folder handling is under test)
+
+
+def _fake_run(seen: list, fail: bool = False):
+  def run(cfg):
+    seen.append(cfg.ckpt_dir)
+    if cfg.ckpt_dir:
+      checkpoint.Checkpoints(cfg.ckpt_dir).close()  # what a run does first: create and lock its folder
+    if fail:
+      raise ValueError("the data is too short")
+    return {"event": "summary"}
+  return run
+
+
+def test_each_run_gets_a_new_folder_and_no_ckpt_keeps_none(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  seen = []
+  monkeypatch.setattr(loop, "run", _fake_run(seen))
+  cli.main(["--steps", "1"])
+  cli.main(["--steps", "1"])  # within the same second, too
+  cli.main(["--steps", "1", "--no-ckpt"])
+  cli.main(["--steps", "1", "--ckpt-dir", "mine"])
+  assert seen[0] != seen[1] and all(s.startswith(f"{cli.RUNS}/train-") for s in seen[:2])
+  assert seen[2:] == [None, "mine"]
+  assert (tmp_path / cli.LATEST).read_text().strip() == os.path.basename(seen[1])  # explicit folders leave it be
+  assert "python -m sample --ckpt-dir mine" in capsys.readouterr().out
+
+
+def test_a_run_that_fails_before_saving_leaves_no_folder(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  seen = []
+  monkeypatch.setattr(loop, "run", _fake_run(seen, fail=True))
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--steps", "1"])
+  assert e.value.code == 2 and "the data is too short" in capsys.readouterr().err
+  assert os.listdir(tmp_path / cli.RUNS) == []
+
+
+def test_ckpt_dir_and_no_ckpt_exclude_each_other(capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--ckpt-dir", "x", "--no-ckpt"])
+  assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

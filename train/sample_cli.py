@@ -1,0 +1,189 @@
+"""`python -m sample`: continue a prompt with a model that `python -m train` saved.
+
+Reads the newest intact checkpoint of a training folder without writing anything there (no
+lock, no renames, no clean-up: a trainer may be using the folder at the same time), restores
+only the parameters, and generates with the KV-cache decoder (models.generate), printing
+the text, the time to the first token and the decode rate. Every bad input exits with code 2
+and one line saying what would work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+import attnlayers
+import models
+from attnlayers.fp8 import FP8Meta
+from models.generate import Sampling, generate
+from train import cli, sample, stepdirs
+
+DEFAULT_TOKENS = 200  # new tokens when --tokens is not given (fewer where the context has less room)
+
+
+class SampleError(ValueError):
+  """Bad input to python -m sample; the message says what would work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  model: models.GPT  # the trained parameters in a model built for the asked backend
+  directory: str  # the checkpoint folder
+  step: int  # the step restored
+  data: str  # what it was trained on
+
+
+def _read_only(directory: str, step: int, **items) -> dict:
+  """Items of step `step` read with orbax, which writes nothing when restoring."""
+  path = os.path.abspath(stepdirs.step_path(directory, step))  # orbax takes absolute paths only
+  handlers = dict(state=ocp.PyTreeCheckpointHandler(), meta=ocp.JsonCheckpointHandler(),
+                  fp8=ocp.StandardCheckpointHandler())
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{k: handlers[k] for k in items})) as reader:
+    try:
+      return reader.restore(path, args=ocp.args.Composite(**items))
+    except Exception as e:  # orbax's messages run to pages; the first line says it
+      first = (str(e).strip().splitlines() or [""])[0][:300]
+      raise SampleError(f"cannot read {', '.join(items)} of {path}: {type(e).__name__}: {first}") from None
+
+
+def newest_intact(directory: str) -> int:
+  """The newest step in `directory` that verifies against its manifest; damaged ones are only reported."""
+  if not os.path.isdir(directory):
+    what = "is not a folder" if os.path.exists(directory) else "does not exist"
+    raise SampleError(f"--ckpt-dir {directory} {what}: give the folder python -m train saved to")
+  found = stepdirs.listing(directory)
+  if not found.ours:
+    raise SampleError(f"--ckpt-dir {directory} holds no checkpoint (no step folder with {stepdirs.MANIFEST}): "
+                      "give the folder python -m train saved to")
+  problems = []
+  for step in reversed(found.ours):
+    problem = stepdirs.problem(stepdirs.step_path(directory, step))
+    if problem is None:
+      for p in problems:
+        print(f"skipped a damaged checkpoint: {p}", file=sys.stderr)
+      return step
+    problems.append(f"step {step}: {problem}")
+  raise SampleError(f"no checkpoint in {directory} is intact: " + "; ".join(problems))
+
+
+def restore(directory: str, backend: str, step: int | None = None) -> Restored:
+  """The model of `directory`'s newest intact step (or `step`), built with attention `backend`."""
+  step = newest_intact(directory) if step is None else step
+  meta = _read_only(directory, step, meta=ocp.args.JsonRestore())["meta"]
+  arch = dict(meta["model"])
+  cfg = models.GPTConfig(**arch, dtype=meta["run"]["dtype"], backend=backend,
+                         # decode steps (one query) never qualify for te-fp8's FP8 core; its projections stay FP8
+                         fp8_core="fp8-or-bf16" if backend == "te-fp8" else "fp8")
+  abstract = nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, fp8 = nnx.split(abstract, nnx.Param, ...)
+  one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  like = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
+  item = {"params": like(params)}  # only the parameters, not the optimizer state beside them
+  state = _read_only(directory, step, state=ocp.args.PyTreeRestore(
+      item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+  if jax.tree.leaves(fp8):  # te-fp8: the run's FP8 scaling where it saved one (a te-fp8 run), else fresh
+    saved = os.path.isdir(os.path.join(stepdirs.step_path(directory, step), "fp8"))
+    fp8 = (_read_only(directory, step, fp8=ocp.args.StandardRestore(like(fp8)))["fp8"] if saved else
+           jax.jit(lambda: nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), FP8Meta))())
+  model = nnx.merge(graphdef, state["state"]["params"], fp8)
+  return Restored(model, directory, step, meta.get("data", "?"))
+
+
+def latest_run() -> str:
+  """The folder that runs/latest names: the newest run python -m train finished without --ckpt-dir."""
+  try:
+    with open(cli.LATEST, encoding="utf-8") as f:
+      name = f.read().strip()
+  except FileNotFoundError:
+    raise SampleError(f"no --ckpt-dir given and no {cli.LATEST} here (written when python -m train finishes "
+                      "without --ckpt-dir): train first, or give --ckpt-dir") from None
+  return os.path.join(cli.RUNS, name)
+
+
+def _temperature(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+  if not (math.isfinite(value) and value >= 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text}")
+  return value
+
+
+def parser() -> argparse.ArgumentParser:
+  p = cli.Parser(prog="python -m sample", description=__doc__.splitlines()[0], formatter_class=cli.Help)
+  one, zero = cli.int_at_least(1), cli.int_at_least(0)
+  p.add_argument("--ckpt-dir", help=f"a folder python -m train saved to; default: the one {cli.LATEST} names")
+  text = p.add_mutually_exclusive_group()
+  text.add_argument("--prompt", help="text to continue; default: a newline")
+  text.add_argument("--prompt-file", help="continue this file's text")
+  p.add_argument("--tokens", type=one, help=f"new tokens per sample; default: {DEFAULT_TOKENS}, or as many "
+                                            "as the context has room for after the prompt")
+  p.add_argument("--temperature", type=_temperature, default=0.8, help="0: greedy (the most likely token)")
+  p.add_argument("--top-k", type=one, help="draw from the k most likely tokens only; default: all")
+  p.add_argument("--seed", type=zero, default=0, help="random stream of the samples")
+  p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto", help="attention backend")
+  p.add_argument("--batch", type=one, default=1, help="samples of the prompt, drawn together (one batch)")
+  return p
+
+
+def _prompt(a) -> str:
+  if a.prompt_file is None:
+    return "\n" if a.prompt is None else a.prompt
+  try:
+    with open(a.prompt_file, encoding="utf-8") as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise SampleError(f"--prompt-file {a.prompt_file}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _new_tokens(asked: int | None, prompt_len: int, seq_len: int) -> int:
+  room = seq_len - prompt_len
+  if prompt_len == 0:
+    raise SampleError("the prompt is empty: give some text with --prompt or --prompt-file")
+  if room < 1:
+    raise SampleError(f"the prompt is {prompt_len} tokens, and the model's context holds {seq_len} in all (prompt "
+                      f"and new tokens): shorten it to at most {seq_len - 1} tokens")
+  if asked is not None and asked > room:
+    raise SampleError(f"--tokens {asked} does not fit: the context holds {seq_len} tokens and the prompt takes "
+                      f"{prompt_len}, so at most {room} new ones fit (--tokens {room}, or a shorter prompt)")
+  return min(DEFAULT_TOKENS, room) if asked is None else asked
+
+
+def run(a) -> None:
+  text = _prompt(a)
+  directory = a.ckpt_dir if a.ckpt_dir is not None else latest_run()
+  r = restore(directory, a.attn)
+  cfg = r.model.cfg
+  prompt = sample.encode(text, cfg.vocab_size)
+  new = _new_tokens(a.tokens, len(prompt), cfg.seq_len)
+  if a.top_k is not None and a.top_k > cfg.vocab_size:
+    raise SampleError(f"--top-k {a.top_k} is more than the model's vocabulary ({cfg.vocab_size} tokens); "
+                      f"use 1..{cfg.vocab_size}, or leave it out to keep every token")
+  print(f"{r.directory}: step {r.step}, trained on {r.data}; {cfg.n_layer} layers, d_model {cfg.d_model}, "
+        f"context {cfg.seq_len}; attention {a.attn}", flush=True)
+  gen = generate(r.model, [prompt] * a.batch, max_new_tokens=new,
+                 sampling=Sampling(temperature=a.temperature, top_k=a.top_k, seed=a.seed))
+  for i, tokens in enumerate(gen.tokens):
+    if a.batch > 1:
+      print(f"--- sample {i + 1} of {a.batch}")
+    print(sample.decode(list(prompt) + list(tokens), cfg.vocab_size))
+  rate = f"{gen.decode_tokens_per_s:,.0f} tokens/s" if math.isfinite(gen.decode_tokens_per_s) else "no decode step"
+  print(f"---\ntime to first token: {gen.time_to_first_token_s * 1e3:.1f} ms; decode: {rate} "
+        f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s, not counted)")
+
+
+def main(argv=None) -> None:
+  a = parser().parse_args(argv)
+  try:
+    run(a)
+  except (SampleError, ValueError, attnlayers.BackendUnavailableError) as e:  # FP8Unavailable is one too
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
