@@ -40,11 +40,13 @@ SCENARIOS = {
 }
 
 
-def check(backend, heads, scenario, *, masked=False, dtype=jnp.float32, head_dim=H, **options):
+def check(backend, heads, scenario, *, masked=False, dtype=jnp.float32, head_dim=H, forward_only=False, **options):
   """Outputs and gradients against the reference; exact zeros (and zero dq) where a query has no key.
 
   scenario: a (B, T, S, is_causal, causal_alignment, query_seq_lengths, key_value_seq_lengths)
   tuple, as SCENARIOS holds; options: further keyword arguments of attention() (fp8_core).
+  forward_only: the backend runs this call forward only; its gradient must raise NotImplementedError
+  saying so (jax's cuDNN attention at T=1), and the outputs are checked.
   Returns the (B, T, N) bool of queries with no allowed key.
   """
   B, T, S, causal, alignment, q_len, kv_len = scenario
@@ -56,8 +58,14 @@ def check(backend, heads, scenario, *, masked=False, dtype=jnp.float32, head_dim
                                query_seq_lengths=q_len, key_value_seq_lengths=kv_len, **options)
     return jnp.sum(out.astype(jnp.float32) * dout), out
 
-  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-  (_, out), grads = run(q, k, v, _i32(q_len), _i32(kv_len))
+  if forward_only:
+    with pytest.raises(NotImplementedError, match="no backward pass for one query"):
+      jax.jit(jax.grad(lambda *a: loss(*a)[0], argnums=(0, 1, 2)))(q, k, v, _i32(q_len), _i32(kv_len))
+    out = jax.jit(lambda *a: loss(*a)[1])(q, k, v, _i32(q_len), _i32(kv_len))
+    grads = None
+  else:
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (_, out), grads = run(q, k, v, _i32(q_len), _i32(kv_len))
   assert out.dtype == q.dtype and out.shape == q.shape
   rule = dict(mask=None if mask is None else np.asarray(mask), is_causal=causal, causal_alignment=alignment,
               query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
@@ -65,14 +73,15 @@ def check(backend, heads, scenario, *, masked=False, dtype=jnp.float32, head_dim
   want, p = reference.forward(*qkv, **rule)
   what = f"{backend} {heads} B{B} T{T} S{S} causal={causal} {alignment}{' mask' if masked else ''}"
   reference.assert_close(out, want, dtype, "out", f"{what} output")
-  for name, got, ref in zip("qkv", grads, reference.gradients(*qkv, np.asarray(dout), **rule)):
+  for name, got, ref in zip("qkv", grads or (), reference.gradients(*qkv, np.asarray(dout), **rule) if grads else ()):
     assert got.dtype == q.dtype
     assert np.isfinite(np.asarray(got.astype(jnp.float32))).all(), f"{what} d{name} not finite"
     reference.assert_close(got, ref, dtype, "grad", f"{what} d{name}")
   empty = p.sum(-1).transpose(0, 2, 1) == 0  # (B, T, N): queries with no allowed key
   f32 = lambda x: np.asarray(x.astype(jnp.float32))
   np.testing.assert_array_equal(f32(out)[empty], 0.0, err_msg=f"{what}: output of a query with no key")
-  np.testing.assert_array_equal(f32(grads[0])[empty], 0.0, err_msg=f"{what}: dq of a query with no key")
+  if grads is not None:
+    np.testing.assert_array_equal(f32(grads[0])[empty], 0.0, err_msg=f"{what}: dq of a query with no key")
   return empty
 
 

@@ -47,12 +47,28 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("backend", PARAMS)
 def test_decode_shaped_core_matches_reference(backend, scenario, heads):
-  check(backend, heads, SCENARIOS[scenario], dtype=jnp.bfloat16, head_dim=H, **BACKENDS[backend])
+  one_query = backend == "cudnn" and SCENARIOS[scenario][1] == 1  # jax's cuDNN: T=1 forward only
+  check(backend, heads, SCENARIOS[scenario], dtype=jnp.bfloat16, head_dim=H, forward_only=one_query,
+        **BACKENDS[backend])
 
 
 @pytest.mark.parametrize("scenario", ["decode-step", "prefill-chunk-16", "empty-rows"])
 @pytest.mark.parametrize("backend", PARAMS)
 def test_decode_shaped_core_with_a_mask_matches_reference(backend, scenario):
+  """Runs exactly, or refuses with the kernel's own reason: cuDNN takes a mask as a bias only at even T;
+  TE answers through is_fused_attn_kernel_available for a post-scale bias with its padding masks."""
+  Bs, T, S, causal, alignment, q_len, kv_len = SCENARIOS[scenario]
+  q = jax.ShapeDtypeStruct((Bs, T, 4, H), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((Bs, S, 2, H), jnp.bfloat16)
+  plan = attnlayers.explain(backend, q, kv, kv, is_causal=causal, causal_alignment=alignment,
+                            mask=jnp.ones((Bs, 1, T, S), bool), query_seq_lengths=jnp.array(q_len, jnp.int32),
+                            key_value_seq_lengths=jnp.array(kv_len, jnp.int32), **BACKENDS[backend])
+  if not plan.ok:
+    print(plan)
+    expected = "even T and S" if backend == "cudnn" else "is_fused_attn_kernel_available is False"
+    assert any(expected in r for r in plan.unmet[backend]), str(plan)
+    assert backend != "cudnn" or T % 2, str(plan)  # cuDNN refuses odd T only
+    return
   check(backend, "GQA", SCENARIOS[scenario], masked=True, dtype=jnp.bfloat16, head_dim=H, **BACKENDS[backend])
 
 
