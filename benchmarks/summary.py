@@ -117,7 +117,16 @@ median(ours) / median(raw) over alternating rounds of 20 calls.
 Training loss, te (bf16) vs te-fp8 ([fp8_train.md]({rel}/fp8_train.md)):
 
 {img("fp8_train.png")}
-"""
+""" + _decode(directory)
+
+
+def _decode(directory: str) -> str:
+  """decode.md as written by benchmarks.decode (its own tables and conventions), under a section of RESULTS.md."""
+  path = os.path.join(directory, "decode.md")
+  if not os.path.exists(path):
+    return ""
+  body = open(path).read().split("\n", 1)[1].replace("\n## ", "\n### ")  # drop its title; nest its sections
+  return "\n## Decoding with a KV cache (`python -m benchmarks.decode`)\n" + body
 
 
 def main(argv=None) -> None:
