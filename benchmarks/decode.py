@@ -186,13 +186,16 @@ def memory_limit() -> int | None:
 
 def prefill_peak(cfg, B: int, prompt_len: int, cache_len: int, backend: str) -> int:
   """A rough floor of a point's device memory: the model in float32 and its cast, the cache, the prefill's
-  (B, P, V) float32 logits, and where `backend` (the chosen one(s)) names naive or xla the (B, N, P, S)
-  float32 scores they materialise."""
+  (B, 1, V) float32 logits (last token only) and its widest activation (the MLP's (B, P, 4D), twice), and
+  what the chosen backend(s) materialise: naive/xla the (B, N, P, S) float32 scores, cudnn the (B, 1, P, S)
+  mask and bias of a bottom-right prefill chunk."""
   H, K, itemsize = cfg.head_dim, cfg.n_kv_head or cfg.n_head, jnp.dtype(cfg.dtype).itemsize
   params = 12 * cfg.n_layer * cfg.d_model**2 + (cfg.vocab_size + cfg.seq_len) * cfg.d_model
   scores = 4 * B * cfg.n_head * prompt_len * cache_len if "naive" in backend or "xla" in backend else 0
+  scores += B * prompt_len * cache_len * (1 + itemsize) if "cudnn" in backend else 0
+  activations = 2 * B * prompt_len * cfg.mlp_ratio * cfg.d_model * itemsize
   return (params * (4 + itemsize) + decode_report.kv_cache(cfg.n_layer, B, cache_len, K, H, itemsize)
-          + 4 * B * prompt_len * cfg.vocab_size + scores)
+          + 4 * B * cfg.vocab_size + activations + scores)
 
 
 class _Models:
