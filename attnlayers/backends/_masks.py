@@ -21,13 +21,14 @@ def lengths(opts: Options, B: int, T: int, S: int):
   return q, kv
 
 
-def _bottom_right(opts: Options, T: int, S: int) -> bool:
+def bottom_right(opts: Options, T: int, S: int) -> bool:
+  """Causal with the queries at the end of the keys, where that differs from top-left (spec.Call.bottom_right)."""
   return opts.is_causal and opts.causal_alignment == "bottom-right" and (T != S or opts.has_lengths)
 
 
 def plain(opts: Options, T: int, S: int) -> bool:
   """No lengths and no bottom-right causality: the call every backend ran before lengths existed."""
-  return not opts.has_lengths and not _bottom_right(opts, T, S)
+  return not opts.has_lengths and not bottom_right(opts, T, S)
 
 
 def structural(opts: Options, B: int, T: int, S: int):
@@ -39,7 +40,7 @@ def structural(opts: Options, B: int, T: int, S: int):
   q_len, kv_len = (x[:, None, None, None] for x in lengths(opts, B, T, S))  # (B, 1, 1, 1)
   keep = (t < q_len) & (s < kv_len)  # (B, 1, T, S)
   if opts.is_causal:
-    keep &= s <= (t + kv_len - q_len if _bottom_right(opts, T, S) else t)
+    keep &= s <= (t + kv_len - q_len if bottom_right(opts, T, S) else t)
   return keep
 
 
@@ -59,7 +60,7 @@ def rows(opts: Options, B: int, T: int, S: int):
   q_len, kv_len = (x[:, None] for x in lengths(opts, B, T, S))  # (B, 1)
   t = jnp.arange(T, dtype=jnp.int32)[None, :]  # (1, T)
   valid = (t < q_len) & (kv_len > 0)  # key 0 is real and, top-left, visible to every query
-  if _bottom_right(opts, T, S):
+  if bottom_right(opts, T, S):
     valid &= t + kv_len - q_len >= 0  # the newest key a query sees is key 0 or later
   return valid  # (B, T)
 

@@ -50,7 +50,7 @@ def unmet(call: Call) -> list[str]:
 def _as_mask(call) -> bool:
   """Whether the lengths/causal rule reaches cuDNN as a mask: bottom-right causal beyond one query (jax
   has no such mask type), or lengths together with the caller's mask or bias."""
-  user = getattr(call, "mask_shape", None) is not None or getattr(call, "bias_shape", None) is not None
+  user = call.mask_shape is not None or call.bias_shape is not None
   return (call.bottom_right and call.T > 1) or (call.has_lengths and user)
 
 
@@ -74,7 +74,7 @@ def _full_ts(x, T: int, S: int):
 def run(q, k, v, opts: Options):
   (B, T), S = q.shape[:2], k.shape[1]
   bias = None if opts.bias is None else _full_ts(opts.bias, T, S).astype(q.dtype)
-  bottom_right = not _masks.plain(opts, T, S) and opts.is_causal and opts.causal_alignment == "bottom-right"
+  bottom_right = _masks.bottom_right(opts, T, S)
   user = opts.mask is not None or opts.bias is not None
   if (bottom_right and T > 1) or (opts.has_lengths and user):
     out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=_full_ts(_masks.allowed(opts, B, T, S), T, S),

@@ -46,8 +46,8 @@ def _mask_type(te, call):
 def _shape_of(q, k, opts: Options):
   """What _mask_type reads, from the arrays and options of a run."""
   (B, T), S = q.shape[:2], k.shape[1]
-  bottom_right = not _masks.plain(opts, T, S) and opts.is_causal and opts.causal_alignment == "bottom-right"
-  return types.SimpleNamespace(is_causal=opts.is_causal, bottom_right=bottom_right, has_lengths=opts.has_lengths, T=T)
+  return types.SimpleNamespace(is_causal=opts.is_causal, bottom_right=_masks.bottom_right(opts, T, S),
+                               has_lengths=opts.has_lengths, T=T)
 
 
 def _bias_type(te, has_bias: bool):
