@@ -46,6 +46,31 @@ def check_room(index, lengths, max_length: int) -> None:
                      "Make the cache longer (init_cache with a larger length) or stop earlier.")
 
 
+def append(cached_key, cached_value, index, key, value, lengths):
+  """The cache after this call's tokens, and the attention arguments that read it (nnx and linen share this).
+
+  cached_key / cached_value: (*batch, L, K, H); index: each row's next position, (*batch,) or a
+  scalar shared by the rows; key / value: (*batch, T, K, H), the call's new tokens; lengths:
+  (*batch,) how many of the T are real (None: all). Returns (keys (*batch, L, K, H), values,
+  index (*batch,), attention keyword arguments: bottom-right causal, the rows' query and key lengths).
+  """
+  *batch, max_length, num_kv_heads, head_dim = cached_key.shape
+  batch, T = tuple(batch), key.shape[-3]
+  if key.shape != (*batch, T, num_kv_heads, head_dim) or value.shape != key.shape:
+    raise ValueError(f"Autoregressive cache shape error: the cache is (*batch, max_length, K, H) = "
+                     f"{tuple(cached_key.shape)}, so this call's keys and values must be "
+                     f"{(*batch, T, num_kv_heads, head_dim)}; got {tuple(key.shape)} and {tuple(value.shape)}")
+  lengths = check_lengths(lengths, batch, T)  # (*batch,)
+  index = jnp.broadcast_to(index, batch).astype(jnp.int32)  # (*batch,)
+  check_room(index, lengths, max_length)
+  flat = lambda x: x.reshape((-1, *x.shape[len(batch):]))  # (*batch, ...) -> (B, ...)
+  new_k, new_v = (write(flat(c), flat(x), index.reshape(-1)).reshape(c.shape)
+                  for c, x in ((cached_key, key), (cached_value, value)))
+  attend = dict(is_causal=True, causal_alignment="bottom-right", query_seq_lengths=lengths,
+                key_value_seq_lengths=index + lengths)
+  return new_k, new_v, index + lengths, attend
+
+
 def write(cache, new, index):
   """cache (B, L, K, H) with new (B, T, K, H) at positions index[b] + t; positions >= L are dropped."""
   T = new.shape[1]

@@ -9,7 +9,14 @@ cache_index), so Flax's initialisation and checkpoints carry over. Added fields:
   backend:      any name in attnlayers.BACKENDS (default "auto"), except "te-fp8", whose
                 FP8 projections keep NNX state: use attnlayers.nnx for it.
   is_causal:    default for the call's `is_causal` (ignored in decode mode, where the
-                cache mask makes the single new query causal).
+                cache makes the new queries causal).
+
+Decoding (decode=True) on the layer's own backends uses attnlayers' cache, as attnlayers.nnx
+does (attnlayers.kv_cache): `init` with a (*batch, max_length, features) input shapes it, with
+cache_index (*batch,), one position per row; each call then writes T >= 1 new tokens per row
+(`lengths=` (*batch,): how many are real, right-padded) and attends to the row's cache up to
+them in one attention call. One-token calls compute what Flax's cache computes. With a custom
+attention_fn the cache is Flax's (one token per call, one index for the batch).
 
 The attention itself is the same `BackendAttention` the nnx layer uses, so both give the
 same numbers for the same parameters; its docstring says how `force_fp32_for_softmax` and
@@ -27,7 +34,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax import lax
 
-from attnlayers import backends, spec
+from attnlayers import backends, kv_cache, spec
 from attnlayers.flax_attention import BackendAttention
 
 
@@ -67,8 +74,10 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
                deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False,
-               is_causal: bool | None = None):  # ours: is_causal
+               is_causal: bool | None = None, lengths=None):  # ours: is_causal, lengths
     attention_fn = self._attention_fn()  # ours
+    if lengths is not None and not self.decode:  # ours
+      raise ValueError("lengths= counts the new tokens of a decode call; it needs decode=True")
     inputs_k, inputs_v = self._kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
@@ -91,7 +100,14 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       query, key = ln(name="query_ln")(query), ln(name="key_ln")(key)
 
     causal = self.is_causal if is_causal is None else is_causal  # ours
-    if self.decode:
+    attend = {}  # ours: the arguments of a decode call on attnlayers' cache
+    if self.decode and isinstance(attention_fn, BackendAttention):  # ours: T >= 1 tokens, a position per row
+      key, value, attend = self._append_to_cache(query, key, value, lengths)
+      causal = False
+    elif self.decode:
+      if lengths is not None or (query.shape[-3] != 1 and self.has_variable("cache", "cached_key")):  # ours
+        raise ValueError("with a custom attention_fn the cache decodes one token per call, as Flax's does; "
+                         "chunked prefill and lengths= need the layer's own backends")
       key, value, mask = self._update_cache(key, value, mask)
       causal = False  # ours: the cache mask limits the new query to positions <= its own
 
@@ -115,6 +131,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       kwargs["is_causal"] = True
     if sow_weights:
       kwargs["module"] = self
+    kwargs |= attend  # ours
     x = attention_fn(query, key, value, **kwargs)  # (batch..., T, N, H)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
@@ -148,6 +165,28 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
           "See https://github.com/google/flax/discussions/3389 and read the docstring for more information.",
           DeprecationWarning)
     return inputs_k, inputs_v
+
+  def _append_to_cache(self, query, key, value, lengths):  # ours
+    """attnlayers' cache (see attnlayers.kv_cache): writes the call's T tokens at each row's position.
+
+    The init pass creates the cache in the shape of its (*batch, max_length) input, as Flax's
+    does, but with cache_index (*batch,), one position per row; it attends over that input.
+    Returns the whole cache and the attention arguments that read it (bottom-right causal).
+    """
+    is_initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros(key.shape[:-3], jnp.int32))
+    if not is_initialized:
+      if lengths is not None:
+        raise ValueError("lengths= applies once the cache exists: the init pass only shapes it")
+      return key, value, {}
+    if query.shape[:-2] != key.shape[:-2]:
+      raise ValueError(f"the queries ({tuple(query.shape)}) and keys ({tuple(key.shape)}) of a decode call must "
+                       "share (*batch, T): T new tokens per row")
+    cached_key.value, cached_value.value, cache_index.value, attend = kv_cache.append(
+        cached_key.value, cached_value.value, cache_index.value, key, value, lengths)
+    return cached_key.value, cached_value.value, attend
 
   def _update_cache(self, key, value, mask):
     """Writes this step's k/v into the cache; returns the whole cache and its position mask."""

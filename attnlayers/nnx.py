@@ -104,20 +104,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     value = self.value(inputs_v, out_sharding=qkv_sharding)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
-    *batch, max_length, num_kv_heads, head_dim = self.cached_key.shape
-    batch, T = tuple(batch), query.shape[-3]
-    if key.shape != (*batch, T, num_kv_heads, head_dim) or query.shape[:-2] != (*batch, T):
-      raise ValueError(f"Autoregressive cache shape error: the cache is (*batch, max_length, K, H) = "
-                       f"{self.cached_key.shape}, so this call's keys must be {(*batch, T, num_kv_heads, head_dim)} "
-                       f"with queries {(*batch, T)} + (N, H); got keys {key.shape}, queries {query.shape}")
-    lengths = kv_cache.check_lengths(lengths, batch, T)  # (*batch,)
-    index = jnp.broadcast_to(self.cache_index[...], batch).astype(jnp.int32)  # (*batch,)
-    kv_cache.check_room(index, lengths, max_length)
-    flat = lambda x: x.reshape((-1, *x.shape[len(batch):]))  # (*batch, ...) -> (B, ...)
-    new_k, new_v = (kv_cache.write(flat(c[...]), flat(x), index.reshape(-1)).reshape(c.shape)
-                    for c, x in ((self.cached_key, key), (self.cached_value, value)))
+    if query.shape[:-2] != key.shape[:-2]:
+      raise ValueError(f"the queries ({tuple(query.shape)}) and keys ({tuple(key.shape)}) of a decode call must "
+                       "share (*batch, T): T new tokens per row")
+    new_k, new_v, self.cache_index[...], attend = kv_cache.append(
+        self.cached_key[...], self.cached_value[...], self.cache_index[...], key, value, lengths)
     self.cached_key[...], self.cached_value[...] = new_k, new_v
-    self.cache_index[...] = index + lengths
     dropout_rng = None
     if self.dropout_rate > 0.0:
       deterministic = self.deterministic if deterministic is None else deterministic
@@ -133,6 +125,5 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     x = self.attention_fn(
         query, new_k, new_v, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout, deterministic=dropout_rng is None, dtype=self.dtype,
-        precision=self.precision, module=self if sow_weights else None, is_causal=True,
-        causal_alignment="bottom-right", query_seq_lengths=lengths, key_value_seq_lengths=index + lengths)
+        precision=self.precision, module=self if sow_weights else None, **attend)
     return self.out(x, out_sharding=out_sharding)

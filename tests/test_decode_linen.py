@@ -1,0 +1,120 @@
+"""Decoding with attnlayers.linen's KV cache (issue 11, Linen), on a CPU: the nnx cache's contract.
+
+One-token steps against flax.linen's own class (caches bit for bit, outputs to float32 rounding), chunked prefill
+against the full causal forward, a ragged batch against its rows decoded alone, decoding
+past the cache, and the calls that the cache refuses.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+import attnlayers.linen as al
+from tests import reference
+
+N, D = 4, 32  # query heads, model width: head dim 8
+KV_HEADS = {"MHA": 4, "GQA": 2, "MQA": 1}
+BACKENDS = ["naive", "xla", "auto"]
+
+
+def tokens(*shape, seed=1):
+  return jax.random.normal(jax.random.key(seed), (*shape, D))
+
+
+def layer(backend, kv_heads, **kwargs):
+  return al.MultiHeadDotProductAttention(num_heads=N, num_kv_heads=kv_heads, backend=backend, is_causal=True,
+                                         **kwargs)
+
+
+def params_of(kv_heads):
+  """One set of parameters for every layer of a test (from the full layer's init)."""
+  return layer("xla", kv_heads).init(jax.random.key(0), tokens(2, 4))["params"]
+
+
+def new_cache(m, batch: int, max_length: int):
+  """The init pass on a (batch, max_length, D) input shapes the cache, as in Flax."""
+  return m.init(jax.random.key(0), jnp.zeros((batch, max_length, D)))["cache"]
+
+
+def step(m, params, cache, x, **kwargs):
+  out, updated = m.apply({"params": params, "cache": cache}, x, mutable=["cache"], **kwargs)
+  return out, updated["cache"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_token_decode_matches_flax_linen(backend):
+  """MHA (Flax's linen class has no kv heads), steps 0..4 into a cache of 8: the caches are Flax's bits; the
+  outputs agree to float32 rounding, as the layers do without a cache (test_linen: Flax's linen attention
+  is its einsum path, a few ulp from every backend here)."""
+  params = params_of(N)
+  ours, flax = layer(backend, N, decode=True), nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  x = tokens(2, 8)
+  cache_o, cache_f = new_cache(ours, 2, 8), new_cache(flax, 2, 8)
+  assert cache_o["cache_index"].shape == (2,) and cache_f["cache_index"].shape == ()
+  for t in range(5):
+    out_o, cache_o = step(ours, params, cache_o, x[:, t:t + 1])
+    out_f, cache_f = step(flax, params, cache_f, x[:, t:t + 1])
+    reference.assert_close(out_o, out_f, jnp.float32, what=f"{backend} step {t}")
+  for name in ("cached_key", "cached_value"):
+    np.testing.assert_array_equal(cache_o[name], cache_f[name], err_msg=name)
+  np.testing.assert_array_equal(cache_o["cache_index"], [5, 5])
+
+
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_then_steps_equal_the_causal_forward(backend, heads):
+  params = params_of(KV_HEADS[heads])
+  x = tokens(2, 12)
+  full = layer(backend, KV_HEADS[heads]).apply({"params": params}, x)
+  m = layer(backend, KV_HEADS[heads], decode=True)
+  cache = new_cache(m, 2, 16)
+  parts = []
+  for chunk in (x[:, :5], x[:, 5:9], *(x[:, t:t + 1] for t in range(9, 12))):
+    out, cache = step(m, params, cache, chunk)
+    parts.append(out)
+  reference.assert_close(jnp.concatenate(parts, axis=1), full, jnp.float32, what=f"{backend} {heads} decode vs full")
+  np.testing.assert_array_equal(cache["cache_index"], [12, 12])
+
+
+@pytest.mark.parametrize("heads", list(KV_HEADS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ragged_batch_equals_each_row_decoded_alone(backend, heads):
+  """A chunk of 5 with 5/2/3 real tokens under jit, then one step; each row alone eagerly with its real tokens."""
+  kv_heads = KV_HEADS[heads]
+  params = params_of(kv_heads)
+  m = layer(backend, kv_heads, decode=True)
+  prompt, nxt, real = tokens(3, 5, seed=1), tokens(3, 1, seed=2), [5, 2, 3]
+  jitted = jax.jit(lambda c, x, n: step(m, params, c, x, lengths=n))
+  out0, cache = jitted(new_cache(m, 3, 16), prompt, jnp.array(real, jnp.int32))
+  out1, cache = jitted(cache, nxt, jnp.ones(3, jnp.int32))
+  assert np.isfinite(np.asarray(out0)).all(), "outputs at padding positions must be finite"
+  np.testing.assert_array_equal(cache["cache_index"], np.add(real, 1))
+  for b in range(3):
+    alone = new_cache(m, 1, 16)
+    want0, alone = step(m, params, alone, prompt[b:b + 1, :real[b]])
+    want1, alone = step(m, params, alone, nxt[b:b + 1])
+    reference.assert_close(out0[b:b + 1, :real[b]], want0, jnp.float32, what=f"{backend} {heads} row {b} prompt")
+    reference.assert_close(out1[b:b + 1], want1, jnp.float32, what=f"{backend} {heads} row {b} step")
+
+
+def test_decoding_past_the_cache_raises():
+  params = params_of(2)
+  m = layer("xla", 2, decode=True)
+  _, cache = step(m, params, new_cache(m, 2, 6), tokens(2, 4))
+  with pytest.raises(ValueError, match=r"past the KV cache.*position 4.*adds 3.*holds 6"):
+    step(m, params, cache, tokens(2, 3))
+
+
+def test_refused_calls():
+  params = params_of(2)
+  with pytest.raises(ValueError, match="needs decode=True"):
+    layer("xla", 2).apply({"params": params}, tokens(2, 4), lengths=jnp.array([4, 4]))
+  m = layer("xla", 2, decode=True)
+  with pytest.raises(ValueError, match=r"lengths must have shape \(2,\)"):
+    step(m, params, new_cache(m, 2, 8), tokens(2, 4), lengths=jnp.array([4, 4, 4]))
+  custom = al.MultiHeadDotProductAttention(num_heads=N, decode=True, attention_fn=nn.dot_product_attention)
+  p = custom.init(jax.random.key(0), tokens(2, 4))["params"]
+  with pytest.raises(ValueError, match="one token per call"):
+    step(custom, p, new_cache(custom, 2, 8), tokens(2, 3))
