@@ -22,8 +22,8 @@ BYTES_NOTE = ("Bytes moved per decode step = the parameters as the decoder holds
               "of the traffic: activations, the cache entries written, the rows a step adds past the prompt and "
               "the cache padding a kernel reads anyway are not counted. `gb_per_s` = those bytes over the "
               "measured time per step (1 GB = 1e9 bytes); `frac_copy_bw` = that over `copy_gb_per_s`, an "
-              "elementwise x + 1 over a `copy_bytes` float32 buffer timed in the same process "
-              "(bytes = read + write); above 1 where the bytes come from a cache nearer than main memory (small "
+              "elementwise x + 1 over a `copy_bytes` float32 buffer timed at the start and at the end of the same "
+              "process, the faster of the two (bytes = read + write); above 1 where the bytes come from a cache nearer than main memory (small "
               "models on a CPU). `kv_cache_mib`: the whole cache, 2·n_layer·B·cache_len·K·H·itemsize.")
 COLUMNS = ["K", "backend", "batch", "context", "kv_cache_mib", "decode_ms_per_step", "tokens_per_s", "gb_per_s",
            "frac_copy_bw", "prefill_ms", "model"]
@@ -51,9 +51,14 @@ def step_bytes(param_bytes: int, n_layer: int, B: int, context: int, K: int, H: 
 
 
 def copy_gb_per_s(nbytes: int, calls: int = 20) -> float:
-  """GB/s of x + 1 over an `nbytes` float32 buffer (read + write), as this process measures it now."""
+  """GB/s of x + 1 over an `nbytes` float32 buffer (read + write), as this process measures it now.
+
+  Large (benchmarks.decode: 4 GiB) and warmed up, so that dispatch and clock ramp-up do not count: on the
+  H200 a 1 GiB copy timed as the process's first GPU work read 2973 GB/s, 4 GiB after five warm-up calls 3792.
+  """
   x = jnp.arange(nbytes // 4, dtype=jnp.float32)
-  t = common.time_fn(jax.jit(lambda x: x + 1), x, calls=calls)
+  t = common.time_fn(jax.jit(lambda x: x + 1), x, warmup=5, calls=calls)
+  del x
   return 2 * (nbytes // 4) * 4 / (t.median_ms * 1e-3) / 1e9
 
 
@@ -101,7 +106,9 @@ def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
   notes = sorted({f"- {r['backend']} K={r['K']} B={r['batch']} context {r['context']}: {r['note']}"
                   for r in rows if r.get("note")})
   md = [f"# Decode benchmarks\n\n{env}\n\nSame-run memory copy: **{env['copy_gb_per_s']:.4g} GB/s** "
-        f"(x + 1 over {env['copy_bytes'] / 2**20:.0f} MiB; read + write).\n\n{BYTES_NOTE}",
+        f"(x + 1 over {env['copy_bytes'] / 2**20:.0f} MiB; read + write; the faster of "
+        f"{env.get('copy_gb_per_s_start', float('nan')):.4g} at the start and {env.get('copy_gb_per_s_end', float('nan')):.4g} "
+        f"at the end of the run).\n\n{BYTES_NOTE}",
         f"## Time to first token (prompt {s['ttft_context']} tokens, batch 1, K={s['kv_heads'][0]}; prefill + first "
         "token)\n\n" + report.markdown_table(ttft, ["backend", "chosen", "model", "K", "batch", "context", "status",
                                                     "ttft_ms", "decode_ms_per_step"]),
