@@ -20,7 +20,7 @@ def _plan(backend, q, k, v, *, dropout_rate, dropout_rng, broadcast_dropout, **k
 def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=None, scale: float | None = None,
             dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = True, precision=None,
             return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
-            causal_alignment: str = "top-left") -> Plan:
+            causal_alignment: str = "top-left", segment_ids=None, window=None) -> Plan:
   """Which backend would run this call (for `auto`: which it picks) and every unmet requirement.
 
   Takes exactly the arguments of `attention()` (q, k, v may be jax.ShapeDtypeStruct) and
@@ -31,7 +31,7 @@ def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=N
                dropout_rng=dropout_rng if dropout_rate else None, broadcast_dropout=broadcast_dropout,
                precision=precision, return_weights=return_weights, fp8_core=fp8_core,
                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-               causal_alignment=causal_alignment)[0]
+               causal_alignment=causal_alignment, segment_ids=segment_ids, window=window)[0]
 
 
 def attention(
@@ -53,6 +53,8 @@ def attention(
     query_seq_lengths: Int[Array, "B"] | None = None,
     key_value_seq_lengths: Int[Array, "B"] | None = None,
     causal_alignment: str = "top-left",
+    segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
+    window: tuple[int, int] | None = None,
 ):
   """Scaled dot-product attention on the chosen kernel.
 
@@ -80,8 +82,16 @@ def attention(
     causal_alignment: with is_causal, "top-left" (query t attends keys s <= t) or
       "bottom-right" (s <= t + Sb - Tb: the queries are the row's last Tb keys, as when new
       tokens attend to a KV cache). A decode step is T = 1, bottom-right, Sb = cache position + 1.
-    Queries that are padding, or that lengths and causality leave with no key, output exactly 0
-    (zero gradients) on every backend. Traced lengths outside [0, T] / [0, S] make their row NaN.
+    segment_ids: packed documents. One int array (B, T) when queries and keys share a layout
+      (T == S), or a pair (q_segment_ids (B, T), kv_segment_ids (B, S)). A query attends only
+      keys of its own document; id 0 is padding: such a query attends nothing (outputs 0) and
+      such a key is attended by nothing. Ids need not be contiguous or ordered.
+    window: (left, right), two ints >= 0, static: the query at position p attends keys in
+      [p - left, p + right] (p = t, or t + Sb - Tb bottom-right). With is_causal the right side
+      is cut at p; window=(L, 0) alone is a causal window. None: no window.
+    Queries that are padding, or that lengths, causality, segments and the window leave with no
+    key, output exactly 0 (zero gradients) on every backend. Traced lengths outside [0, T] /
+    [0, S] make their row NaN.
 
   Returns:
     (B, T, N, H) in q's dtype, or (out, weights) when return_weights.
@@ -90,7 +100,7 @@ def attention(
                        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
                        precision=precision, return_weights=return_weights, fp8_core=fp8_core,
                        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-                       causal_alignment=causal_alignment)
+                       causal_alignment=causal_alignment, segment_ids=segment_ids, window=window)
   if not chosen.ok:
     raise BackendUnavailableError.from_plan(chosen)
   return backends.REGISTRY[chosen.chosen].run(q, k, v, opts)

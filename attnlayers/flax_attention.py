@@ -28,6 +28,15 @@ def _flatten_batch(x, batch: tuple[int, ...]):
   return x.reshape((math.prod(batch), *x.shape[-3:]))
 
 
+def _flatten_ids(ids, batch: tuple[int, ...]):
+  """Segment ids (*batch, L), or a pair of them, with the batch dims flattened to one: (B, L)."""
+  if ids is None:
+    return None
+  if isinstance(ids, (tuple, list)):
+    return tuple(_flatten_ids(x, batch) for x in ids)
+  return ids.reshape((math.prod(batch), ids.shape[-1])) if ids.ndim == len(batch) + 1 else ids
+
+
 def _mask_4d(x, batch: tuple[int, ...]):
   """A mask/bias broadcastable to (*batch, N, T, S) -> one broadcastable to (B, N, T, S)."""
   x = x.reshape((1,) * (len(batch) + 3 - x.ndim) + x.shape)  # (*batch or 1s, N|1, T|1, S|1)
@@ -113,9 +122,10 @@ class BackendAttention:
   def __call__(self, query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
                dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False, dtype=None,
                precision=None, module=None, is_causal: bool = False, force_fp32_for_softmax: bool = False,
-               query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment: str = "top-left"):
-    """Flax's attention_fn arguments, plus attnlayers.attention's lengths (shaped like the batch dims) and
-    causal_alignment, which the KV cache of attnlayers.nnx passes."""
+               query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment: str = "top-left",
+               segment_ids=None, window=None):
+    """Flax's attention_fn arguments, plus attnlayers.attention's lengths (shaped like the batch dims),
+    causal_alignment, segment_ids ((*batch, T), or a pair with (*batch, S)) and window, which the layers pass."""
     dtype = jnp.dtype(dtype or jnp.result_type(query, key, value))
     dropping = dropout_rate > 0.0 and not deterministic
     if force_fp32_for_softmax and dtype.kind == "c":
@@ -138,7 +148,8 @@ class BackendAttention:
         broadcast_dropout=broadcast_dropout, precision=precision, return_weights=module is not None,
         fp8_core=self.fp8_core, causal_alignment=causal_alignment,
         query_seq_lengths=None if query_seq_lengths is None else query_seq_lengths.reshape(-1),  # (B,)
-        key_value_seq_lengths=None if key_value_seq_lengths is None else key_value_seq_lengths.reshape(-1))
+        key_value_seq_lengths=None if key_value_seq_lengths is None else key_value_seq_lengths.reshape(-1),
+        segment_ids=_flatten_ids(segment_ids, batch), window=window)
     out, weights = result if module is not None else (result, None)
     if binary is not None:
       out = jnp.where(binary, out, jnp.nan)  # a traced float mask with values other than 0/1: see _flax_mask

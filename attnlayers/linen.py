@@ -10,6 +10,11 @@ cache_index), so Flax's initialisation and checkpoints carry over. Added fields:
                 FP8 projections keep NNX state: use attnlayers.nnx for it.
   is_causal:    default for the call's `is_causal` (ignored in decode mode, where the
                 cache makes the new queries causal).
+  sliding_window: default (left, right) window of every call (attnlayers.attention's `window`);
+                the call's `sliding_window=` overrides it (None there: no window).
+
+Added call arguments: `segment_ids=` (packed documents, see attnlayers.attention), and
+`sliding_window=`.
 
 Decoding (decode=True) on the layer's own backends uses attnlayers' cache, as attnlayers.nnx
 does (attnlayers.kv_cache): `init` with a (*batch, max_length, features) input shapes it, with
@@ -54,6 +59,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   num_kv_heads: int | None = None  # None: num_heads (MHA); a divisor of num_heads: GQA; 1: MQA
   backend: str = backends.AUTO
   is_causal: bool = False
+  sliding_window: tuple[int, int] | None = None  # default window=(left, right) of every call; None: no window
 
   def _attention_fn(self) -> Callable:
     backends.check_name(self.backend)
@@ -74,8 +80,17 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
                deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False,
-               is_causal: bool | None = None, lengths=None):  # ours: is_causal, lengths
+               is_causal: bool | None = None, lengths=None, segment_ids=None,
+               sliding_window=spec.LAYER_DEFAULT):  # ours: is_causal, lengths, segment_ids, sliding_window
     attention_fn = self._attention_fn()  # ours
+    window = spec.check_window(self.sliding_window if sliding_window is spec.LAYER_DEFAULT else sliding_window)  # ours
+    extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window)) if x is not None}  # ours
+    if extra and not isinstance(attention_fn, BackendAttention):  # ours
+      raise ValueError("segment_ids= and sliding windows need the layer's own backends; a custom attention_fn "
+                       "takes Flax's arguments only")
+    if segment_ids is not None and self.decode:  # ours
+      raise ValueError("segment_ids= with a KV cache (decode=True) is not supported: the cache keeps no segment "
+                       "ids; decode each document in its own row (lengths= gives each row its own length)")
     if lengths is not None and not self.decode:  # ours
       raise ValueError("lengths= counts the new tokens of a decode call; it needs decode=True")
     inputs_k, inputs_v = self._kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
@@ -131,7 +146,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       kwargs["is_causal"] = True
     if sow_weights:
       kwargs["module"] = self
-    kwargs |= attend  # ours
+    kwargs |= attend | extra  # ours
     x = attention_fn(query, key, value, **kwargs)  # (batch..., T, N, H)
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
@@ -221,6 +236,8 @@ class SelfAttention(MultiHeadDotProductAttention):
 
   @nn.compact
   def __call__(self, inputs_q, mask=None, deterministic: bool | None = None, dropout_rng=None,  # type: ignore[override]
-               sow_weights: bool = False, is_causal: bool | None = None):
+               sow_weights: bool = False, is_causal: bool | None = None, segment_ids=None,
+               sliding_window=spec.LAYER_DEFAULT):
     return super().__call__(inputs_q, mask=mask, deterministic=deterministic, dropout_rng=dropout_rng,
-                            sow_weights=sow_weights, is_causal=is_causal)
+                            sow_weights=sow_weights, is_causal=is_causal, segment_ids=segment_ids,
+                            sliding_window=sliding_window)

@@ -7,6 +7,8 @@ Added, keyword-only:
 
   backend:   any name in attnlayers.BACKENDS (default "auto"; see attnlayers.explain).
   is_causal: default for the call's `is_causal` (the call's value wins when given).
+  sliding_window: default (left, right) window of every call (attnlayers.attention's `window`;
+             None = no window); a call's sliding_window= overrides it (None there: no window).
   fp8_recipe: with backend="te-fp8", how the FP8 projections are scaled and how the attention
              core runs (attnlayers.fp8.FP8Recipe; default TE DelayedScaling, HYBRID, history
              1024, max, and core="fp8": cuDNN FP8 attention or a clear refusal).
@@ -14,6 +16,9 @@ Added, keyword-only:
 With backend="te-fp8" the q/k/v/out projections run as TransformerEngine FP8 GEMMs; their
 scaling state is FP8Meta variables beside the parameters (see attnlayers.fp8), which a
 training step must carry: `nnx.split(layer, nnx.Param, FP8Meta)`.
+
+Added call arguments: `segment_ids=` (packed documents: (*batch, T) ids, 0 = padding, or a
+pair (q ids, kv ids) for cross-attention; see attnlayers.attention) and `sliding_window=`.
 
 Decoding (attnlayers.kv_cache says why it differs from Flax's cache):
 
@@ -51,7 +56,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   """
 
   def __init__(self, *args, backend: str = backends.AUTO, is_causal: bool = False, attention_fn=None,
-               fp8_recipe: fp8.FP8Recipe | None = None, **kwargs):
+               fp8_recipe: fp8.FP8Recipe | None = None, sliding_window: tuple[int, int] | None = None, **kwargs):
     backends.check_name(backend)
     spec.check_num_kv_heads(kwargs.get("num_kv_heads"))
     if attention_fn is not None and backend != backends.AUTO:
@@ -63,6 +68,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     super().__init__(*args, attention_fn=attention_fn or BackendAttention(backend, fp8_core=fp8_core), **kwargs)
     self.backend = backend if attention_fn is None else "custom attention_fn"
     self.is_causal = is_causal
+    self.sliding_window = spec.check_window(sliding_window)
     if backend == "te-fp8":
       fp8.use_fp8_projections(self, fp8_recipe or fp8.FP8Recipe())
 
@@ -77,39 +83,57 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     self.cache_index = nnx.Cache(jnp.zeros(tuple(input_shape[:-2]), jnp.int32))
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, is_causal: bool | None = None,
-               decode: bool | None = None, lengths=None, **kwargs):
+               decode: bool | None = None, lengths=None, segment_ids=None, sliding_window=spec.LAYER_DEFAULT, **kwargs):
     causal = self.is_causal if is_causal is None else is_causal
+    window = self.sliding_window if sliding_window is spec.LAYER_DEFAULT else spec.check_window(sliding_window)
+    extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window)) if x is not None}
+    custom = not isinstance(self.attention_fn, BackendAttention)  # a custom attention_fn takes Flax's arguments only
+    if custom and extra:
+      raise ValueError("segment_ids= and sliding windows need the layer's own backends; a custom attention_fn "
+                       "takes Flax's arguments only")
     if (self.decode if decode is None else decode):
-      if not isinstance(self.attention_fn, BackendAttention):  # a custom attention_fn takes Flax's arguments only
+      if custom:
         if lengths is not None or inputs_q.shape[-2] != 1:
           raise ValueError("with a custom attention_fn the cache decodes one token per call, as Flax's does; "
                            "chunked prefill and lengths= need the layer's own backends")
         return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=False, decode=True, **kwargs)
-      return self._decode(inputs_q, inputs_k, inputs_v, lengths=lengths, **kwargs)
+      if segment_ids is not None:
+        raise ValueError("segment_ids= with a KV cache (decode=True) is not supported: the cache keeps no segment "
+                         "ids; decode each document in its own row (lengths= gives each row its own length)")
+      return self._attend(inputs_q, inputs_k, inputs_v, cache=True, lengths=lengths, extra=extra, **kwargs)
     if lengths is not None:
       raise ValueError("lengths= counts the new tokens of a decode call; pass decode=True (or a mask otherwise)")
+    if extra:  # Flax's __call__ has no way to pass them: the same steps, here
+      return self._attend(inputs_q, inputs_k, inputs_v, cache=False, is_causal=causal, extra=extra, **kwargs)
     return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode, **kwargs)
 
-  def _decode(self, inputs_q, inputs_k, inputs_v, *, lengths, mask=None, deterministic=None, rngs=None,
-              sow_weights: bool = False, out_sharding=None, qkv_sharding=None):
-    """The new tokens into the cache, attending to the row's cache up to themselves (module docstring)."""
+  def _attend(self, inputs_q, inputs_k, inputs_v, *, cache: bool, extra: dict, lengths=None, is_causal=False,
+              mask=None, deterministic=None, rngs=None, sow_weights: bool = False, out_sharding=None,
+              qkv_sharding=None):
+    """Flax's __call__ steps (projections, dropout, attention, output) with attnlayers' extra arguments.
+
+    cache: write the new tokens into the KV cache and attend to the row's cache up to them (module
+    docstring); else plain self-/cross-attention with `is_causal`. extra: segment_ids / window.
+    """
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"Incompatible input dimension, got {inputs_q.shape[-1]} but module expects {self.in_features}.")
-    if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+    if cache and (self.cached_key is None or self.cached_value is None or self.cache_index is None):
       raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
     query = self.query(inputs_q, out_sharding=qkv_sharding)  # (*batch, T, N, H)
-    key = self.key(inputs_k, out_sharding=qkv_sharding)  # (*batch, T, K, H)
+    key = self.key(inputs_k, out_sharding=qkv_sharding)  # (*batch, S, K, H)
     value = self.value(inputs_v, out_sharding=qkv_sharding)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
-    if query.shape[:-2] != key.shape[:-2]:
-      raise ValueError(f"the queries ({tuple(query.shape)}) and keys ({tuple(key.shape)}) of a decode call must "
-                       "share (*batch, T): T new tokens per row")
-    new_k, new_v, self.cache_index[...], attend = kv_cache.append(
-        self.cached_key[...], self.cached_value[...], self.cache_index[...], key, value, lengths)
-    self.cached_key[...], self.cached_value[...] = new_k, new_v
+    attend = {"is_causal": is_causal}
+    if cache:
+      if query.shape[:-2] != key.shape[:-2]:
+        raise ValueError(f"the queries ({tuple(query.shape)}) and keys ({tuple(key.shape)}) of a decode call must "
+                         "share (*batch, T): T new tokens per row")
+      key, value, self.cache_index[...], attend = kv_cache.append(
+          self.cached_key[...], self.cached_value[...], self.cache_index[...], key, value, lengths)
+      self.cached_key[...], self.cached_value[...] = key, value
     dropout_rng = None
     if self.dropout_rate > 0.0:
       deterministic = self.deterministic if deterministic is None else deterministic
@@ -123,7 +147,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                            "with keep_rngs=False.")
         dropout_rng = stream()
     x = self.attention_fn(
-        query, new_k, new_v, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+        query, key, value, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout, deterministic=dropout_rng is None, dtype=self.dtype,
-        precision=self.precision, module=self if sow_weights else None, **attend)
+        precision=self.precision, module=self if sow_weights else None, **attend, **extra)
     return self.out(x, out_sharding=out_sharding)

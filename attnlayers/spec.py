@@ -5,6 +5,16 @@ length, N query heads, K key/value heads (N % K == 0: K == N is MHA, 1 < K < N i
 K == 1 is MQA), H head dim. q is (B, T, N, H); k and v are (B, S, K, H); a mask or bias
 broadcasts to (B, N, T, S). Masks are boolean with True = may attend, for every backend.
 
+Which keys a query may attend (backends/_masks.py builds it; every backend runs it exactly or
+refuses): query (b, t) attends key s iff all of
+  lengths   t < Tb and s < Sb (query_seq_lengths / key_value_seq_lengths; default T, S);
+  causal    s <= p, where p = t (top-left) or t + Sb - Tb (bottom-right) is the query's position;
+  segments  q_segment_ids[b, t] == kv_segment_ids[b, s] != 0 (0 = padding: attends nothing);
+  window    p - left <= s <= p + right (window=(left, right); p as above, t without causality);
+  mask      the caller's mask.
+A query left with no key by lengths, causality, segments or window outputs exactly 0, with
+zero gradients, on every backend.
+
 `Options` is what every backend's `run(q, k, v, opts)` receives; `Call` is what every
 backend's `unmet(call)` reads (shapes, dtype, options, device: no arrays).
 """
@@ -34,6 +44,16 @@ FP8_CORE_MODES = ("fp8", "fp8-or-bf16", "bf16")
 CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
 
 
+class _LayerDefault:
+  """The default of a layer call's sliding_window=: not given, so the layer's own sliding_window applies."""
+
+  def __repr__(self) -> str:
+    return "LAYER_DEFAULT"
+
+
+LAYER_DEFAULT = _LayerDefault()
+
+
 @dataclasses.dataclass(frozen=True)
 class Dropout:
   """Dropout on the attention weights, as Flax applies it."""
@@ -56,10 +76,17 @@ class Options:
   query_seq_lengths: object = None  # int (B,): row b has Tb real queries, t >= Tb are padding
   key_value_seq_lengths: object = None  # int (B,): row b has Sb real keys, s >= Sb are padding
   causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS (with is_causal)
+  q_segment_ids: object = None  # int (B, T): query t's document; 0 = padding (attends nothing)
+  kv_segment_ids: object = None  # int (B, S): key s's document; 0 = padding (attended by nothing)
+  window: tuple[int, int] | None = None  # (left, right): query at p attends keys in [p - left, p + right]
 
   @property
   def has_lengths(self) -> bool:
     return self.query_seq_lengths is not None or self.key_value_seq_lengths is not None
+
+  @property
+  def has_segments(self) -> bool:
+    return self.q_segment_ids is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +110,8 @@ class Call:
   q_lengths: bool = False  # query_seq_lengths given (query padding per row)
   kv_lengths: bool = False  # key_value_seq_lengths given (key padding per row)
   causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS
+  segments: bool = False  # segment ids given (packed documents)
+  window: tuple[int, int] | None = None  # sliding window (left, right)
 
   @property
   def has_lengths(self) -> bool:
@@ -128,7 +157,7 @@ def check_array_args(q, k, v) -> None:
 
 def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None = None, precision=None,
             return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
-            causal_alignment: str = "top-left", head_dim: int) -> Options:
+            causal_alignment: str = "top-left", segment_ids=None, window=None, head_dim: int) -> Options:
   """Validates the scalar options of a call (scale, is_causal, fp8_core) and returns them as one Options."""
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
@@ -153,9 +182,35 @@ def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None =
     raise ValueError(f"dropout rate must be in (0, 1); got {dropout.rate}")
   if dropout is not None and dropout.rng is None:
     raise ValueError(f"dropout_rate={dropout.rate} needs a dropout_rng (a jax PRNG key)")
+  q_ids, kv_ids = _split_segment_ids(segment_ids)
   return Options(scale=scale, is_causal=bool(is_causal), mask=mask, bias=bias, dropout=dropout, precision=precision,
                  return_weights=bool(return_weights), fp8_core=fp8_core, query_seq_lengths=query_seq_lengths,
-                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment)
+                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
+                 q_segment_ids=q_ids, kv_segment_ids=kv_ids, window=check_window(window))
+
+
+def check_window(window) -> tuple[int, int] | None:
+  """A sliding window: None (every key) or (left, right), two Python ints >= 0, known when the call is traced."""
+  if window is None:
+    return None
+  ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+      isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= 0 for w in window)
+  if not ok:
+    raise ValueError(f"window must be (left, right), two ints >= 0: a query at position p attends keys in "
+                     f"[p - left, p + right] (causal: right = 0; None: no window); got {window!r}")
+  return int(window[0]), int(window[1])
+
+
+def _split_segment_ids(segment_ids):
+  """segment_ids as given (one (B, T) array, or a pair (q (B, T), kv (B, S))) -> (q_ids, kv_ids)."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2 or any(x is None for x in segment_ids):
+      raise ValueError("segment_ids must be one int array (B, T) shared by queries and keys, or a pair "
+                       f"(q_segment_ids (B, T), kv_segment_ids (B, S)); got a sequence of {len(segment_ids)}")
+    return tuple(segment_ids)
+  return segment_ids, segment_ids
 
 
 def _check_lengths(name: str, x, B: int, limit: int, letter: str) -> None:
@@ -218,8 +273,29 @@ def describe(q, k, v, opts: Options) -> Call:
     _check_lengths("query_seq_lengths", opts.query_seq_lengths, B, T, "T")
   if opts.key_value_seq_lengths is not None:
     _check_lengths("key_value_seq_lengths", opts.key_value_seq_lengths, B, S, "S")
+  if opts.has_segments:
+    if opts.q_segment_ids is opts.kv_segment_ids and T != S:
+      raise ValueError(f"one segment_ids array serves queries and keys only when T == S; got T={T}, S={S}. "
+                       "Pass a pair (q_segment_ids (B, T), kv_segment_ids (B, S)).")
+    _check_segment_ids("q_segment_ids" if opts.q_segment_ids is not opts.kv_segment_ids else "segment_ids",
+                       opts.q_segment_ids, (B, T), "(B, T)")
+    _check_segment_ids("kv_segment_ids", opts.kv_segment_ids, (B, S), "(B, S)")
   return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=np.dtype(q.dtype), is_causal=opts.is_causal,
               mask_shape=mask_shape, bias_shape=bias_shape, dropout=opts.dropout is not None,
               return_weights=opts.return_weights, precision=opts.precision, fp8_core=opts.fp8_core,
               device=device_lib.of(q, k, v), q_lengths=opts.query_seq_lengths is not None,
-              kv_lengths=opts.key_value_seq_lengths is not None, causal_alignment=opts.causal_alignment)
+              kv_lengths=opts.key_value_seq_lengths is not None, causal_alignment=opts.causal_alignment,
+              segments=opts.has_segments, window=opts.window)
+
+
+def _check_segment_ids(name: str, x, shape: tuple[int, int], letters: str) -> None:
+  """An int array of `shape`; concrete values must be >= 0 (0 = padding)."""
+  _array_like(name, x)
+  if not jnp.issubdtype(x.dtype, jnp.integer) or tuple(x.shape) != shape:
+    raise ValueError(f"{name} must be an integer array of shape {letters} = {shape}, one document id per position "
+                     f"(0 = padding); got {x.dtype} of shape {tuple(x.shape)}")
+  if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+    return
+  values = np.asarray(x)
+  if values.min() < 0:
+    raise ValueError(f"{name} must be >= 0 (documents 1, 2, ...; 0 = padding); got {int(values.min())}")

@@ -45,13 +45,16 @@ def assert_close(actual, expected, dtype, kind: str = "out", what: str = ""):
 
 
 def allowed(T, S, mask=None, is_causal=False, *, query_seq_lengths=None, key_value_seq_lengths=None,
-            causal_alignment="top-left"):
+            causal_alignment="top-left", segment_ids=None, window=None):
   """Boolean keep[.., t, s]: query t may attend key s (attnlayers.spec's rule, written out again).
 
   query_seq_lengths Tb, key_value_seq_lengths Sb: int (B,), default T and S (right padding).
   Query (b, t) may attend key s iff t < Tb, s < Sb, the causal rule (if is_causal: s <= t
   top-left, s <= t + Sb - Tb bottom-right) and the mask. (T, S) without lengths, else (B, 1, T, S);
   either broadcasts to (B, N, T, S).
+  segment_ids: (q (B, T), kv (B, S)) or one (B, T) array: equal non-zero ids only. window (left,
+  right): the key's offset from the query's position (t, or t + Sb - Tb bottom-right) lies in
+  [-left, right]. Either makes the result (B, 1, T, S).
   """
   if causal_alignment not in ("top-left", "bottom-right"):
     raise ValueError(f"causal_alignment: {causal_alignment!r}")
@@ -64,8 +67,17 @@ def allowed(T, S, mask=None, is_causal=False, *, query_seq_lengths=None, key_val
     kv_len = np.full(B, S) if key_value_seq_lengths is None else np.asarray(key_value_seq_lengths)
     q_len, kv_len = q_len[:, None, None, None], kv_len[:, None, None, None]  # (B, 1, 1, 1)
   keep = (t < q_len) & (s < kv_len)
+  position = t + kv_len - q_len if is_causal and causal_alignment == "bottom-right" else t + 0 * kv_len
   if is_causal:
-    keep = keep & (s <= (t + kv_len - q_len if causal_alignment == "bottom-right" else t))
+    keep = keep & (s <= position)
+  if window is not None:
+    offset = s - position  # how far right of the query's position the key is
+    keep = keep & (offset >= -window[0]) & (offset <= window[1])
+  if segment_ids is not None:
+    q_ids, kv_ids = (segment_ids, segment_ids) if not isinstance(segment_ids, tuple) else segment_ids
+    q_ids, kv_ids = np.asarray(q_ids), np.asarray(kv_ids)
+    same = np.stack([np.equal.outer(q_ids[b], kv_ids[b]) & (q_ids[b] != 0)[:, None] for b in range(len(q_ids))])
+    keep = keep & same[:, None]  # (B, 1, T, S)
   if mask is not None:
     keep = np.logical_and(keep, np.asarray(mask, dtype=bool))
   return keep
@@ -78,7 +90,7 @@ def _expand_kv(x, N):
 
 
 def forward(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None, query_seq_lengths=None,
-            key_value_seq_lengths=None, causal_alignment="top-left"):
+            key_value_seq_lengths=None, causal_alignment="top-left", segment_ids=None, window=None):
   """Returns (out (B, T, N, H), probabilities (B, N, T, S)) in float64.
 
   scores = q k^T * scale (default 1/sqrt(H)) + bias (broadcastable to (B, N, T, S)), then
@@ -97,7 +109,8 @@ def forward(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None, query
   if bias is not None:
     scores = scores + np.asarray(bias, np.float64)
   keep = allowed(T, S, mask, is_causal, query_seq_lengths=query_seq_lengths,
-                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment)
+                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
+                 segment_ids=segment_ids, window=window)
   scores = np.where(np.broadcast_to(keep, scores.shape), scores, -np.inf)
   top = scores.max(-1, keepdims=True)  # -inf on a row with no allowed key
   p = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
@@ -107,7 +120,7 @@ def forward(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None, query
 
 
 def gradients(q, k, v, dout, *, mask=None, is_causal=False, scale=None, bias=None, query_seq_lengths=None,
-              key_value_seq_lengths=None, causal_alignment="top-left"):
+              key_value_seq_lengths=None, causal_alignment="top-left", segment_ids=None, window=None):
   """d(sum(out * dout)) / d(q, k, v) in float64, by the textbook softmax backward (bias held fixed).
 
   The lengths and alignment as in `forward`: a query with no allowed key has p = 0, so it gets a
@@ -118,7 +131,8 @@ def gradients(q, k, v, dout, *, mask=None, is_causal=False, scale=None, bias=Non
   K = k.shape[2]
   scale = 1.0 / np.sqrt(H) if scale is None else scale
   _, p = forward(q, k, v, mask=mask, is_causal=is_causal, scale=scale, bias=bias, query_seq_lengths=query_seq_lengths,
-                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment)
+                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
+                 segment_ids=segment_ids, window=window)
   kx, vx = _expand_kv(k, N), _expand_kv(v, N)  # (B, N, S, H)
   g = np.asarray(dout, np.float64).transpose(0, 2, 1, 3)  # (B, N, T, H)
   dp = g @ vx.transpose(0, 1, 3, 2)  # (B, N, T, S)

@@ -56,3 +56,13 @@ def fused_only(call: Call, name: str, *, exact_half_products: bool) -> list[str]
     reasons.append(f"{name} cannot apply precision={call.precision} to {call.dtype.name} attention matmuls; "
                    "only 'naive' honours it (or leave precision=None)")
   return reasons
+
+
+def no_segments_or_window(call: Call, name: str) -> list[str]:
+  """For kernels that do not take segment ids or a sliding window yet: the refusal, per feature."""
+  asked = [what for what, on in (("segment ids (packed documents)", call.segments),
+                                 (f"a sliding window {call.window}", call.window is not None)) if on]
+  if not asked:
+    return []
+  return [f"{name} does not run {' or '.join(asked)} yet (it would have to skip the other documents' and the "
+          "out-of-window blocks, not only mask them); 'xla' and 'naive' run them exactly"]

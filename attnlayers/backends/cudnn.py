@@ -44,7 +44,7 @@ def unmet(call: Call) -> list[str]:
     why = " (bottom-right causal or lengths with a mask become one)" if _as_mask(call) else ""
     reasons.append(f"cuDNN with a mask or bias{why} needs even T and S (its backward pass requires it); "
                    f"got T={call.T}, S={call.S}")
-  return reasons + _reasons.fused_only(call, NAME, exact_half_products=True)
+  return reasons + _reasons.fused_only(call, NAME, exact_half_products=True) + _reasons.no_segments_or_window(call, NAME)
 
 
 def _as_mask(call) -> bool:
@@ -82,8 +82,9 @@ def run(q, k, v, opts: Options):
     return _masks.finish(out, opts, S)
   mask = None if opts.mask is None else _full_ts(opts.mask, T, S)
   if not opts.has_lengths and not bottom_right:
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=opts.scale,
-                                        is_causal=opts.is_causal, implementation="cudnn")
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=opts.scale,
+                                       is_causal=opts.is_causal, implementation="cudnn")
+    return out if opts.mask is None else _masks.finish(out, opts, S)  # rows the mask empties: zeros
   q_len, kv_len = _masks.lengths(opts, B, T, S)  # T == 1 bottom-right: its query sees every real key
   padded = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, scale=opts.scale,

@@ -78,6 +78,7 @@ def unmet(call: Call, name: str = NAME) -> list[str]:
   what = "TransformerEngine fused attention"
   reasons = _reasons.nvidia_gpu(call.device, MIN_CC, what) + _reasons.transformer_engine(what)
   reasons += _reasons.half_precision(call, what) + _reasons.fused_only(call, name, exact_half_products=True)
+  reasons += _reasons.no_segments_or_window(call, name)
   if reasons:
     return reasons
   te = _te()

@@ -50,6 +50,7 @@ def _runs_fp8(call: Call) -> bool:
 def unmet(call: Call) -> list[str]:
   reasons = requirements(call.device) + _reasons.half_precision(call, "te-fp8")
   reasons += _reasons.fused_only(call, NAME, exact_half_products=True)  # no weights or dropout, either core
+  reasons += _reasons.no_segments_or_window(call, NAME)
   if reasons:
     return reasons
   if call.fp8_core == "fp8" and (why := fp8_core_unmet(call)):

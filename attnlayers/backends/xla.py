@@ -27,8 +27,9 @@ def unmet(call: Call) -> list[str]:
 def run(q, k, v, opts: Options):
   (B, T), S = q.shape[:2], k.shape[1]
   if _masks.plain(opts, T, S):
-    return jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=opts.mask, scale=opts.scale,
-                                        is_causal=opts.is_causal, implementation="xla")
+    out = jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=opts.mask, scale=opts.scale,
+                                       is_causal=opts.is_causal, implementation="xla")
+    return out if opts.mask is None else _masks.finish(out, opts, S)  # rows the mask empties: zeros
   out = jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=_masks.allowed(opts, B, T, S), scale=opts.scale,
                                      implementation="xla")  # lengths and bottom-right causality as one mask
   return _masks.finish(out, opts, S)

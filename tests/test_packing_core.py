@@ -1,0 +1,211 @@
+"""Segment ids (packed documents) and sliding windows in `attnlayers.attention` (issue 12, the core), on a CPU.
+
+Every CPU backend (naive, xla, and auto, which picks one of them here) against the float64
+reference (tests/reference.py), outputs and q/k/v gradients, MHA/GQA/MQA: random segment layouts
+with one-token documents and all-padding rows, windows (left-only, both sides, wider than T,
+zero), alone and with causality, lengths and masks; queries with no key output exactly 0.
+Then the regression test for attention across documents, and the errors for bad input.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attnlayers
+from tests import cases, reference
+
+BACKENDS = ["naive", "xla", "auto"]
+H = 8
+
+
+def packed(B: int, T: int, seed: int, *, padding_row: bool = True) -> np.ndarray:
+  """(B, T) int32 ids: documents of random lengths (some one token long) end to end, padding (0) at the end;
+  with padding_row, the last row is all padding."""
+  rng = np.random.default_rng(seed)
+  ids = np.zeros((B, T), np.int32)
+  for b in range(B - 1 if padding_row else B):
+    t, doc = 0, int(rng.integers(1, 5))
+    end = T - int(rng.integers(0, 4))  # some trailing padding
+    while t < end:
+      n = min(int(rng.choice([1, 1, 2, 3, 5, 8])), end - t)
+      ids[b, t:t + n] = doc
+      t, doc = t + n, doc + int(rng.integers(1, 3))  # ids increase, not always by one
+  return ids
+
+
+def check(backend, heads, *, T=12, S=None, B=3, masked=False, is_causal=False, window=None, segment_ids=None,
+          q_len=None, kv_len=None, alignment="top-left", seed=0):
+  """Outputs and gradients against the reference; exact zeros for queries with no allowed key. Returns that
+  (B, T, N) bool."""
+  S = T if S is None else S
+  case = dict(heads=heads, causal=is_causal, masked=False, dtype=jnp.float32)
+  q, k, v, dout, _ = cases.inputs(case, B=B, T=T, S=S, H=H, seed=seed)
+  mask = None
+  if masked:  # random, but each query keeps its own position (T == S): the mask alone empties no row
+    mask = jax.random.bernoulli(jax.random.key(seed + 7), 0.6, (B, 1, T, S)) | jnp.eye(T, S, dtype=bool)
+  seg = None if segment_ids is None else (jnp.asarray(segment_ids) if not isinstance(segment_ids, tuple)
+                                          else tuple(jnp.asarray(x) for x in segment_ids))
+  i32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+
+  def loss(q, k, v):
+    out = attnlayers.attention(q, k, v, backend=backend, is_causal=is_causal, mask=mask, window=window,
+                               segment_ids=seg, query_seq_lengths=i32(q_len), key_value_seq_lengths=i32(kv_len),
+                               causal_alignment=alignment)
+    return jnp.sum(out * dout), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  rule = dict(mask=None if mask is None else np.asarray(mask), is_causal=is_causal, window=window,
+              segment_ids=segment_ids, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+              causal_alignment=alignment)
+  qkv = [np.asarray(x, np.float64) for x in (q, k, v)]
+  want, p = reference.forward(*qkv, **rule)
+  what = f"{backend} {heads} T{T} S{S} causal={is_causal} window={window} segments={segment_ids is not None}"
+  reference.assert_close(out, want, jnp.float32, "out", f"{what} output")
+  for name, got, ref in zip("qkv", grads, reference.gradients(*qkv, np.asarray(dout), **rule)):
+    assert np.isfinite(np.asarray(got)).all(), f"{what} d{name} not finite"
+    reference.assert_close(got, ref, jnp.float32, "grad", f"{what} d{name}")
+  empty = p.sum(-1).transpose(0, 2, 1) == 0  # (B, T, N)
+  np.testing.assert_array_equal(np.asarray(out)[empty], 0.0, err_msg=f"{what}: output of a query with no key")
+  np.testing.assert_array_equal(np.asarray(grads[0])[empty], 0.0, err_msg=f"{what}: dq of a query with no key")
+  return empty
+
+
+WINDOWS = {"left-only": (3, 0), "both-sides": (2, 3), "wider-than-T": (50, 50), "zero": (0, 0), "right-only": (0, 2)}
+
+
+@pytest.mark.parametrize("heads", list(cases.HEADS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_segments_match_reference(backend, heads):
+  empty = check(backend, heads, segment_ids=packed(3, 12, seed=1))
+  assert empty[-1].all(), "the all-padding row attends nothing"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", list(WINDOWS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_windows_match_reference(backend, window, causal):
+  check(backend, "GQA", window=WINDOWS[window], is_causal=causal)
+
+
+@pytest.mark.parametrize("heads", list(cases.HEADS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_segments_window_causal_mask_and_lengths_compose(backend, heads):
+  check(backend, heads, segment_ids=packed(3, 12, seed=2), window=(2, 1), is_causal=True, masked=True,
+        q_len=[12, 9, 4], kv_len=[12, 10, 12])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_separate_query_and_key_segments_with_bottom_right_window(backend):
+  """A chunk of 4 queries at the end of 12 keys (a packed prefill): segment ids per side, window (3, 0)."""
+  kv_ids = packed(2, 12, seed=3, padding_row=False)
+  check(backend, "MQA", T=4, S=12, B=2, segment_ids=(kv_ids[:, -4:], kv_ids), window=(3, 0), is_causal=True,
+        alignment="bottom-right")
+
+
+def test_one_array_of_ids_needs_T_equal_S():
+  q, kv = jnp.zeros((1, 4, 2, H)), jnp.zeros((1, 6, 2, H))
+  with pytest.raises(ValueError, match=r"T == S.*pair"):
+    attnlayers.attention(q, kv, kv, backend="xla", segment_ids=jnp.ones((1, 4), jnp.int32))
+
+
+BAD = {
+    "window-negative": (dict(window=(-1, 0)), "two ints >= 0"),
+    "window-one-int": (dict(window=4), "two ints >= 0"),
+    "window-float": (dict(window=(2.0, 0)), "two ints >= 0"),
+    "segments-wrong-shape": (dict(segment_ids=jnp.ones((2, 5), jnp.int32)), r"\(B, T\) = \(2, 6\)"),
+    "segments-float": (dict(segment_ids=jnp.ones((2, 6))), "float32"),
+    "segments-negative": (dict(segment_ids=jnp.full((2, 6), -1, jnp.int32)), ">= 0"),
+    "segments-triple": (dict(segment_ids=(jnp.ones((2, 6), jnp.int32),) * 3), "pair"),
+}
+
+
+@pytest.mark.parametrize("entry", ["attention", "explain"])
+@pytest.mark.parametrize("bad", list(BAD))
+def test_bad_segments_and_windows_raise(bad, entry):
+  kwargs, message = BAD[bad]
+  q = jnp.zeros((2, 6, 2, H))
+  call = {"attention": lambda: attnlayers.attention(q, q, q, backend="xla", **kwargs),
+          "explain": lambda: attnlayers.explain("auto", q, q, q, **kwargs)}[entry]
+  with pytest.raises(ValueError, match=message):
+    call()
+
+
+def test_reference_rule_by_hand():
+  """The reference's own rule on a small case, written out: two documents, a padding tail, window (1, 0)."""
+  keep = reference.allowed(5, 5, is_causal=True, segment_ids=np.array([[1, 1, 2, 2, 0]]), window=(1, 0))
+  np.testing.assert_array_equal(keep[0, 0].astype(int), [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
+                                                         [0, 0, 1, 1, 0], [0, 0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("backend", attnlayers.BACKENDS)
+def test_no_backend_lets_a_query_see_another_document(backend):
+  """MaxText's cuDNN path dropped segment ids, so packed training attended across documents. Here every
+  backend either keeps document 1's outputs the same whatever document 2 holds, or refuses the call
+  saying it does not take segment ids; none runs it while ignoring them."""
+  B, T, N, K = 2, 16, 4, 2
+  dtype = jnp.bfloat16 if backend in ("cudnn", "te", "te-fp8") else jnp.float32
+  ids = jnp.asarray(np.repeat([[1] * 7 + [2] * 9], B, axis=0), jnp.int32)
+  q, k, v = (jax.random.normal(jax.random.key(i), (B, T, n, 64)).astype(dtype) for i, n in enumerate((N, K, K)))
+  plan = attnlayers.explain(backend, q, k, v, is_causal=True, segment_ids=ids)
+  if not plan.ok:
+    reasons = " ".join(r for rs in plan.unmet.values() for r in rs)
+    assert "segment ids" in reasons or backend == "auto" or "GPU" in reasons, reasons
+    return
+  run = jax.jit(lambda k, v: attnlayers.attention(q, k, v, backend=backend, is_causal=True, segment_ids=ids))
+  other = jnp.arange(T)[None, :, None, None] >= 7  # document 2's positions
+  k2, v2 = jnp.where(other, 10 * k + 3, k), jnp.where(other, -5 * v, v)
+  a, b = np.asarray(run(k, v), np.float32), np.asarray(run(k2, v2), np.float32)
+  np.testing.assert_array_equal(a[:, :7], b[:, :7], err_msg=f"{backend}: document 1 saw document 2")
+  assert not np.allclose(a[:, 7:], b[:, 7:]), "document 2's own outputs must change (the test can fail)"
+
+
+hypothesis = pytest.importorskip("hypothesis", reason="hypothesis (a dev dependency: pip install -e '.[dev]')")
+st = hypothesis.strategies
+
+
+@st.composite
+def layouts(draw):
+  """A random call: shapes, heads, causality and alignment, a window or none, segment ids or none, lengths or none."""
+  B, T = draw(st.integers(1, 3)), draw(st.integers(1, 10))
+  S = T if draw(st.booleans()) else draw(st.integers(1, 12))
+  causal = draw(st.booleans())
+  alignment = draw(st.sampled_from(["top-left", "bottom-right"])) if causal else "top-left"
+  window = draw(st.none() | st.tuples(st.integers(0, 12), st.integers(0, 12)))
+  ids = lambda n: np.asarray(draw(st.lists(st.lists(st.integers(0, 3), min_size=n, max_size=n), min_size=B,
+                                           max_size=B)), np.int32).reshape(B, n)
+  segments = None
+  if draw(st.booleans()):
+    segments = ids(T) if S == T and draw(st.booleans()) else (ids(T), ids(S))
+  lens = lambda n: draw(st.none() | st.lists(st.integers(0, n), min_size=B, max_size=B))
+  return dict(B=B, T=T, S=S, heads=draw(st.sampled_from(list(cases.HEADS))), is_causal=causal, alignment=alignment,
+              window=window, segment_ids=segments, q_len=lens(T), kv_len=lens(S), seed=draw(st.integers(0, 99)))
+
+
+@pytest.mark.parametrize("backend", ["naive", "xla"])
+@hypothesis.settings(max_examples=15, deadline=None, derandomize=True)
+@hypothesis.given(layout=layouts())
+def test_random_layouts_match_reference(backend, layout):
+  layout = dict(layout)
+  check(backend, layout.pop("heads"), **layout)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_the_mask_empties_outputs_zero(backend):
+  """Query 3 of row 0 has an all-False mask row (head 1 only): zeros there, finite zero gradients, as the
+  reference; not the average over every key that a softmax of equal scores gives."""
+  B, T, N, K = 2, 8, 4, 2
+  q, k, v, dout, _ = cases.inputs(dict(heads="GQA", causal=False, masked=False, dtype=jnp.float32), B=B, T=T, S=T, H=H)
+  mask = jnp.ones((B, N, T, T), bool).at[0, 1, 3].set(False)
+
+  def loss(q, k, v):
+    out = attnlayers.attention(q, k, v, backend=backend, mask=mask)
+    return jnp.sum(out * dout), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  qkv = [np.asarray(x, np.float64) for x in (q, k, v)]
+  reference.assert_close(out, reference.forward(*qkv, mask=np.asarray(mask))[0], jnp.float32)
+  assert np.asarray(out)[0, 3, 1].tolist() == [0.0] * H and np.abs(np.asarray(out)[0, 3, 0]).max() > 0
+  for got, ref in zip(grads, reference.gradients(*qkv, np.asarray(dout), mask=np.asarray(mask))):
+    assert np.isfinite(np.asarray(got)).all()
+    reference.assert_close(got, ref, jnp.float32, "grad")
