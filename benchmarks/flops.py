@@ -2,6 +2,8 @@
 
 Per-call rates (benchmarks.layer, .fp8, .wrapper) count the FLOPs the math needs:
   attention forward    4·B·N·T·S·H (Q·Kᵀ and P·V), halved when causal: the lower triangle;
+                       packed documents and sliding windows: only the pairs they leave unmasked
+                       (attention_segments, attention_window);
   attention backward   twice the forward (dP, dQ, dK, dV: four products); the Q·Kᵀ that flash
                        kernels recompute in their backward is not counted;
   projection           2·M·K·N forward, twice that backward (dX and dW).
@@ -35,6 +37,40 @@ def attention(B: int, T: int, S: int, N: int, H: int, *, causal: bool, pass_: st
   """FLOPs of one attention core call (q (B, T, N, H), k/v (B, S, K, H); K does not change them)."""
   fwd = 4.0 * B * N * T * S * H * (0.5 if causal else 1.0)
   return fwd * _BWD_FACTOR[pass_]
+
+
+def attention_segments(B: int, T: int, N: int, H: int, *, documents: int, causal: bool, pass_: str) -> float:
+  """FLOPs of self-attention over rows of T tokens packed with `documents` equal-length documents.
+
+  Segment ids leave each query only the keys of its own document, so the math needs
+  documents × attention(length T / documents): only the unmasked pairs, as the convention above
+  counts them (each causal document's lower triangle as half its square). documents=1 is
+  attention(B, T, T, ...).
+  """
+  if documents < 1 or T % documents:
+    raise ValueError(f"documents ({documents}) must be >= 1 and divide T ({T}): equal-length documents")
+  L = T // documents
+  return documents * attention(B, L, L, N, H, causal=causal, pass_=pass_)
+
+
+def window_pairs(T: int, left: int) -> int:
+  """(query, key) pairs of causal self-attention of length T with window=(left, 0): query t attends
+  keys max(0, t - left) ... t, min(t + 1, left + 1) of them; summed over t."""
+  if left < 0:
+    raise ValueError(f"left ({left}) must be >= 0")
+  w = min(left + 1, T)  # keys of a query that has a full window
+  return w * (w + 1) // 2 + (T - w) * w  # queries t < w attend t + 1 keys, the rest w
+
+
+def attention_window(B: int, T: int, N: int, H: int, *, left: int, pass_: str) -> float:
+  """FLOPs of causal self-attention with a sliding window, window=(left, 0) and is_causal=True.
+
+  Counts only the in-window causal pairs, as the convention above counts only unmasked pairs:
+  4·B·N·H·window_pairs(T, left) forward. The pairs are counted exactly, diagonal included, so a
+  window that covers the whole row (left >= T - 1) gives T (T + 1) / 2 pairs, T / 2 more than
+  attention(causal=True), whose T² / 2 halves the square (a relative 1 / T: 0.006% at T = 16384).
+  """
+  return 4.0 * B * N * H * window_pairs(T, left) * _BWD_FACTOR[pass_]
 
 
 def attention_full_square(B: int, T: int, S: int, N: int, H: int, *, pass_: str) -> float:

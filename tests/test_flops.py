@@ -84,3 +84,29 @@ def test_counter_refuses_programs_it_cannot_count():
   x, w = jnp.ones((1, 2, 8, 8)), jnp.ones((3, 2, 3, 3))
   with pytest.raises(ValueError, match="not counted here"):
     flops.compiled_dot_flops(conv, x, w)
+
+
+def test_packed_documents_count_each_documents_causal_triangle():
+  # 2 documents of 4 tokens in a row of 8, B1 N1 H1: 2 x (4 * 4*4 / 2) = 64 forward, x3 with the backward
+  assert flops.attention_segments(1, 8, 1, 1, documents=2, causal=True, pass_="fwd") == 64
+  assert flops.attention_segments(1, 8, 1, 1, documents=2, causal=True, pass_="fwd+bwd") == 192
+  assert flops.attention_segments(1, 8, 1, 1, documents=2, causal=False, pass_="fwd") == 2 * 4 * 4 * 4
+  assert flops.attention_segments(2, 16, 4, 8, documents=1, causal=True, pass_="fwd") == \
+      flops.attention(2, 16, 16, 4, 8, causal=True, pass_="fwd")  # one document: the plain causal call
+  with pytest.raises(ValueError, match=r"documents \(3\) must be >= 1 and divide T \(8\)"):
+    flops.attention_segments(1, 8, 1, 1, documents=3, causal=True, pass_="fwd")
+
+
+def test_sliding_window_counts_the_in_window_causal_pairs():
+  # T=4, left=1: queries 0..3 attend 1, 2, 2, 2 keys
+  assert flops.window_pairs(4, 1) == 7
+  assert flops.window_pairs(4, 0) == 4  # each query its own key
+  assert flops.window_pairs(4, 3) == flops.window_pairs(4, 100) == 10  # the whole causal triangle, diagonal included
+  for T, left in [(1, 0), (5, 2), (64, 16), (100, 99), (37, 200)]:
+    assert flops.window_pairs(T, left) == sum(min(t + 1, left + 1) for t in range(T))
+  assert flops.attention_window(1, 4, 2, 8, left=1, pass_="fwd+bwd") == 3 * 4 * 2 * 8 * 7
+  # a window over the whole row counts the diagonal exactly: T / 2 pairs above the convention's T^2 / 2
+  gap = flops.attention_window(B, T, N, H, left=T - 1, pass_="fwd") - flops.attention(B, T, T, N, H, causal=True,
+                                                                                      pass_="fwd")
+  assert gap == 4 * B * N * H * T / 2
+
