@@ -72,8 +72,11 @@ def environment() -> dict:
           "platform": dev.platform, "cudnn": device_lib.current().cudnn_version, "transformer_engine": te}
 
 
-def forward_backward(f, args: tuple):
+def forward_backward(f, args: tuple, data: tuple = ()):
   """(fn, args) timing f's forward and backward for every arg, with a random output cotangent.
+
+  f is called as f(*args, *data); `data` are inputs it is not differentiated for (segment ids),
+  passed in as arguments so that XLA cannot fold them into the program as constants.
 
   The program returns the forward output with the gradients, as a training step uses both:
   returning the gradients alone would let XLA delete every forward product the backward does
@@ -82,13 +85,14 @@ def forward_backward(f, args: tuple):
   which XLA turns some backward matmuls into plain sums; a random cotangent (passed in, not
   baked into the program) keeps every backward product a real one.
   """
-  out = jax.eval_shape(f, *args)
+  out = jax.eval_shape(f, *args, *data)
   cotangent = jax.random.normal(jax.random.key(7), out.shape, jnp.float32).astype(out.dtype)
+  n = len(args)
 
-  def fwd_bwd(*a):
-    out, pullback = jax.vjp(f, *a[:-1])
+  def fwd_bwd(*a):  # a = (*args, *data, cotangent)
+    out, pullback = jax.vjp(lambda *x: f(*x, *a[n:-1]), *a[:n])
     return out, pullback(a[-1])
-  return fwd_bwd, (*args, cotangent)
+  return fwd_bwd, (*args, *data, cotangent)
 
 
 def dense_peak(kind: str = "bf16") -> tuple[float | None, str]:
