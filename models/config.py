@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+WINDOW_KINDS = ("local", "global")  # window_pattern's words: the layer uses the sliding window, or sees every token
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -21,6 +23,8 @@ class GPTConfig:
   dtype: str = "bfloat16"  # compute dtype of activations and matmuls
   param_dtype: str = "float32"  # parameters and optimizer state
   tie_embeddings: bool = True  # output projection reuses the token embedding (GPT-2)
+  window: int | None = None  # sliding window: each query sees itself and the window - 1 tokens before it; None = all
+  window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled over the layers
 
   def __post_init__(self):
     kv = self.n_kv_head or self.n_head
@@ -30,16 +34,43 @@ class GPTConfig:
       raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
     if self.fp8_core != "fp8" and self.backend != "te-fp8":
       raise ValueError(f"fp8_core={self.fp8_core!r} applies to backend 'te-fp8' only; got backend {self.backend!r}")
+    self._check_window()
+
+  def _check_window(self) -> None:
+    w, kinds = self.window, self.window_pattern.split(",")
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+      raise ValueError(f"window must be an int >= 1 (tokens each query sees, itself included) or None for "
+                       f"every earlier token; got {w!r}")
+    if w is not None and not self.causal:
+      raise ValueError(f"window ({w}) applies to causal models: a window of N tokens is the query and the N - 1 "
+                       "before it; a bidirectional model (causal=False) takes window=None")
+    if any(k not in WINDOW_KINDS for k in kinds) or "local" not in kinds:
+      raise ValueError(f"window_pattern must list {' or '.join(map(repr, WINDOW_KINDS))} per layer, comma-separated, "
+                       f"at least one 'local' (e.g. 'local,global'); got {self.window_pattern!r}")
+    if w is None and self.window_pattern != "local":
+      raise ValueError(f"window_pattern {self.window_pattern!r} says which layers use the window; give window "
+                       "(tokens per window) too")
+
+  def layer_window(self, layer: int) -> tuple[int, int] | None:
+    """Layer `layer`'s sliding_window for attnlayers: (window - 1, 0), or None where it attends every earlier
+    token (no window, a 'global' layer, or a window that covers the whole context: window >= seq_len)."""
+    kinds = self.window_pattern.split(",")
+    if self.window is None or self.window >= self.seq_len or kinds[layer % len(kinds)] == "global":
+      return None
+    return (self.window - 1, 0)
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.n_head
 
   def architecture(self) -> dict:
-    """The fields that shape the parameters: what a checkpoint must agree on to resume."""
+    """The fields that shape the parameters, and the attention window: what a checkpoint must agree on to
+    resume, and what python -m sample rebuilds the model from. The window fields appear only when a window
+    is set, so a checkpoint written before they existed reads as what it is: no window."""
     fields = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio",
               "param_dtype", "tie_embeddings")
-    return {f: getattr(self, f) for f in fields} | {"n_kv_head": self.n_kv_head or self.n_head}
+    window = {"window": self.window, "window_pattern": self.window_pattern} if self.window is not None else {}
+    return {f: getattr(self, f) for f in fields} | {"n_kv_head": self.n_kv_head or self.n_head} | window
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -5,6 +5,13 @@ learned absolute positions, token embedding tied to the output projection, GPT-2
 initialisation (normal 0.02, residual projections scaled by 1/sqrt(2 * n_layer)). The
 attention kernel is `config.backend`; the model never branches on it.
 
+Packed documents: `model(tokens, segment_ids=ids, positions=pos)` runs several documents in
+one row; every block's attention lets a token see only its own document's tokens (ids (B, T),
+1, 2, ... per document, 0 = padding), and `pos` (B, T) indexes the position table, restarting
+at 0 where a document starts. Each document then computes what it computes alone in a row.
+Sliding windows: `config.window` (N tokens: the query and the N - 1 before it) on the layers
+`config.window_pattern` marks "local"; the layer applies it with or without a cache.
+
 Decoding: `init_cache(batch, max_length)` gives every block's attention a KV cache; then
 `model(tokens, decode=True, lengths=...)` runs T new tokens per row (a whole prompt chunk
 or one token) at each row's own position, read from the cache. models.generate drives it.
@@ -26,15 +33,16 @@ from models.config import GPTConfig
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: GPTConfig, layer: int, *, rngs: nnx.Rngs):
     init = nnx.initializers.normal(0.02)
     proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layer))
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.attn = MultiHeadAttention(
         cfg.n_head, cfg.d_model, num_kv_heads=cfg.n_kv_head, backend=cfg.backend, is_causal=cfg.causal,
-        decode=False, dtype=dt, param_dtype=pdt, kernel_init=init, out_kernel_init=proj_init,
-        fp8_recipe=FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None, rngs=rngs)
+        decode=False, sliding_window=cfg.layer_window(layer), dtype=dt, param_dtype=pdt, kernel_init=init,
+        out_kernel_init=proj_init, fp8_recipe=FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None,
+        rngs=rngs)
     self.ln2 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     hidden = cfg.mlp_ratio * cfg.d_model
     self.fc = nnx.Linear(cfg.d_model, hidden, dtype=dt, param_dtype=pdt, kernel_init=init, rngs=rngs)
@@ -42,10 +50,11 @@ class Block(nnx.Module):
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def __call__(self, x: Float[Array, "B T D"], rngs: nnx.Rngs | None = None, *, decode: bool = False,
-               lengths: Int[Array, "B"] | None = None) -> Float[Array, "B T D"]:
+               lengths: Int[Array, "B"] | None = None,
+               segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
     drop = lambda y: self.dropout(y, deterministic=rngs is None, rngs=rngs)
     h = self.ln1(x)
-    x = x + drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h))
+    x = x + drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids))
     return x + drop(self.proj(jax.nn.gelu(self.fc(self.ln2(x)))))
 
 
@@ -59,7 +68,7 @@ class GPT(nnx.Module):
     self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init, rngs=rngs)
     self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init, rngs=rngs)
     self.drop = nnx.Dropout(cfg.dropout)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layer)])
     self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=init, rngs=rngs)
@@ -73,9 +82,14 @@ class GPT(nnx.Module):
       block.attn.init_cache((batch, max_length, self.cfg.d_model), dtype=dtype)
 
   def __call__(self, tokens: Int[Array, "B T"], rngs: nnx.Rngs | None = None, *, decode: bool = False,
-               lengths: Int[Array, "B"] | None = None, last_only: bool = False) -> Float[Array, "B T V"]:
+               lengths: Int[Array, "B"] | None = None, last_only: bool = False,
+               segment_ids: Int[Array, "B T"] | None = None,
+               positions: Int[Array, "B T"] | None = None) -> Float[Array, "B T V"]:
     """Float32 logits; `rngs` (with a 'dropout' stream) turns dropout on, None is deterministic.
 
+    segment_ids: packed documents, int (B, T): a token attends only earlier tokens with its own
+    id (0 = padding, attends nothing). positions: int (B, T) indices into the position table
+    (default 0..T-1; restart them at each document with segment_ids).
     decode=True: `tokens` continue each row's cached sequence (init_cache first). Token t of
     row b sits at position cache_index[b] + t; `lengths` (B,) says how many of the T are real
     (right padding; default all), and the caches advance by that much. last_only: logits
@@ -84,14 +98,28 @@ class GPT(nnx.Module):
     B, T = tokens.shape
     if lengths is not None and not decode:
       raise ValueError("lengths= applies with decode=True only (tokens appended to a KV cache)")
-    pos = self._decode_positions(B, T, lengths) if decode else jnp.arange(T)[None]  # (B|1, T)
+    if decode and (segment_ids is not None or positions is not None):
+      raise ValueError("segment_ids= and positions= apply without decode: the KV cache keeps one document per "
+                       "row and places tokens itself (decode each document in its own row)")
     if not decode and T > self.cfg.seq_len:
       raise ValueError(f"sequence of {T} tokens is longer than the model's seq_len ({self.cfg.seq_len})")
+    for name, ids in (("segment_ids", segment_ids), ("positions", positions)):
+      if ids is not None and (tuple(ids.shape) != (B, T) or not jnp.issubdtype(ids.dtype, jnp.integer)):
+        raise ValueError(f"{name} must be an int array of the tokens' shape (B, T) = {(B, T)}; "
+                         f"got {ids.dtype} of shape {tuple(ids.shape)}")
+    if positions is not None and not isinstance(positions, jax.core.Tracer):  # known: check (traced: NaN rows)
+      lo, hi = int(np.min(positions)), int(np.max(positions))
+      if lo < 0 or hi >= self.cfg.seq_len:
+        raise ValueError(f"positions must lie in [0, seq_len={self.cfg.seq_len}); got values in [{lo}, {hi}]")
+    if decode:
+      pos = self._decode_positions(B, T, lengths)  # (B, T)
+    else:
+      pos = jnp.arange(T)[None] if positions is None else positions  # (1 | B, T)
     dt = jnp.dtype(self.cfg.dtype)
     x = (self.wte(tokens) + self.wpe(pos)).astype(dt)  # (B, T, D)
     x = self.drop(x, deterministic=rngs is None, rngs=rngs)
     for block in self.blocks:
-      x = block(x, rngs, decode=decode, lengths=lengths)
+      x = block(x, rngs, decode=decode, lengths=lengths, segment_ids=segment_ids)
     if last_only:
       last = (jnp.full((B,), T) if lengths is None else jnp.asarray(lengths)) - 1  # (B,)
       x = jnp.take_along_axis(x, jnp.maximum(last, 0)[:, None, None], axis=1)  # (B, 1, D)
