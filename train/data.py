@@ -11,6 +11,20 @@ Sources (`--data`):
 
 Batch b of step s is drawn from numpy's generator seeded with (seed, split, s), so a run
 resumed at step s sees exactly the batches the uninterrupted run would have.
+
+Unpacked (default): each row is a window of seq_len + 1 tokens inside one text (a shard
+counts as one text), so texts of seq_len + 1 tokens or fewer are not used. Packed
+(`load(..., pack=True)`, train.packing): every training document, short ones too, end to end
+in rows with segment ids and positions.
+
+Validation is the same unpacked held-out windows in both modes (`batch("val", ...)`): plain
+causal windows inside held-out texts, as every run before packing measured. So the val_loss
+of a packed and an unpacked run compare on identical tokens, it runs on every backend (cudnn
+and te refuse segment ids until their kernels take them), and a packed model meets nothing
+there it did not train on: a window that starts inside a text at position 0 is what a packed
+row's continued document is. It needs a held-out text longer than seq_len + 1 tokens, and it
+does not score short documents or a document's first tokens. On GPT-2 shards the windows
+cross end-of-text tokens unmasked, as only the unpacked run trained; weigh that there.
 """
 
 from __future__ import annotations
@@ -22,6 +36,8 @@ import sysconfig
 
 import numpy as np
 
+from train import packing
+
 SHARD_MAGIC = 20240520
 SHARD_HEADER_INTS = 256
 
@@ -30,8 +46,9 @@ SHARD_HEADER_INTS = 256
 class Dataset:
   name: str  # for logs
   vocab_size: int  # smallest model vocab that covers every token id
-  train: list[np.ndarray]  # 1-d token arrays (uint8 bytes or uint16 GPT-2 ids), each >= seq_len + 1 long
-  val: list[np.ndarray]
+  train: list[np.ndarray]  # 1-d token arrays (uint8 bytes or uint16 GPT-2 ids), each > seq_len + 1 long
+  val: list[np.ndarray]  # as train, held out; windows of these give val_loss in both modes
+  packed: packing.Packed | None = None  # every training document end to end (load(pack=True)); else None
 
   def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, targets), each (batch_size, seq_len) int32; targets are inputs shifted by one."""
@@ -43,26 +60,38 @@ class Dataset:
     rows = np.stack([docs[d][s:s + seq_len + 1] for d, s in zip(which, starts)]).astype(np.int32)
     return rows[:, :-1], rows[:, 1:]
 
+  def packed_batch(self, seed: int, step: int, batch_size: int) -> tuple[np.ndarray, ...]:
+    """The training split's packed rows of `step`: (inputs, targets, segment_ids, positions), each int32
+    (batch_size, seq_len), a function of (seed, step) only (train.packing)."""
+    if self.packed is None:
+      raise ValueError(f"{self.name} was loaded unpacked; load it with pack=True for packed batches")
+    return self.packed.batch(seed, step, batch_size)
+
 
 def _usable(arrays: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
   return [a for a in arrays if len(a) > seq_len + 1]
 
 
-def _split_bytes(name: str, files: list[str], seq_len: int) -> Dataset:
+def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool) -> Dataset:
   texts = [np.fromfile(f, dtype=np.uint8) for f in sorted(files)]
   if len(texts) >= 10:
     train = [t for i, t in enumerate(texts) if i % 10 != 9]
     val = [t for i, t in enumerate(texts) if i % 10 == 9]
+    docs = train  # packed: the training files
   else:  # too few files to hold some out: keep the last 10% of the bytes
     stream = np.concatenate(texts) if texts else np.zeros(0, np.uint8)
     cut = int(len(stream) * 0.9)
     train, val = [stream[:cut]], [stream[cut:]]
+    docs = np.split(stream[:cut], [c for c in np.cumsum([len(t) for t in texts]) if c < cut])  # the files, cut
+  packed = packing.from_texts(docs, seq_len) if pack else None
   train, val = _usable(train, seq_len), _usable(val, seq_len)
-  if not train or not val:
+  if not (packed.n_rows if pack else train) or not val:
     total = sum(len(t) for t in texts)
-    raise ValueError(f"{name}: {total} bytes in {len(texts)} file(s) is too little for seq_len {seq_len}; "
-                     f"train and validation each need a text longer than {seq_len + 1} bytes")
-  return Dataset(name, 256, train, val)
+    need = (f"training needs more than {seq_len} bytes in all and validation (unpacked windows in both modes) a "
+            f"text longer than {seq_len + 1} bytes" if pack else
+            f"train and validation each need a text longer than {seq_len + 1} bytes")
+    raise ValueError(f"{name}: {total} bytes in {len(texts)} file(s) is too little for seq_len {seq_len}; {need}")
+  return Dataset(name, 256, train, val, packed)
 
 
 def read_shard(path: str) -> np.ndarray:
@@ -82,7 +111,7 @@ def read_shard(path: str) -> np.ndarray:
   return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(n,))
 
 
-def _shards(pattern: str, seq_len: int) -> Dataset:
+def _shards(pattern: str, seq_len: int, pack: bool) -> Dataset:
   paths = sorted(glob.glob(pattern))
   if not paths:
     raise FileNotFoundError(f"--data {pattern!r} matches no files")
@@ -92,11 +121,12 @@ def _shards(pattern: str, seq_len: int) -> Dataset:
   if not train_paths:
     raise ValueError(f"--data {pattern!r}: {len(paths)} shard(s), none left for training after holding out "
                      f"{', '.join(val_paths)} for validation; give at least two shards")
+  packed = packing.from_shards([shards[p] for p in train_paths], seq_len) if pack else None
   train = _usable([shards[p] for p in train_paths], seq_len)
   val = _usable([shards[p] for p in val_paths], seq_len)
-  if not train or not val:
+  if not (packed.n_rows if pack else train) or not val:
     raise ValueError(f"--data {pattern!r}: shards too short for seq_len {seq_len}")
-  return Dataset(pattern, 50257, train, val)
+  return Dataset(pattern, 50257, train, val, packed)
 
 
 def stdlib_files() -> list[str]:
@@ -113,19 +143,20 @@ def check_source(spec: str | None) -> None:
   raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")
 
 
-def load(spec: str | None, seq_len: int) -> Dataset:
+def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
+  """The data of `spec` (module docstring) for windows of seq_len; pack: also every training document packed."""
   check_source(spec)
   if spec is None:
-    return _split_bytes("python-stdlib", stdlib_files(), seq_len)
+    return _split_bytes("python-stdlib", stdlib_files(), seq_len, pack)
   if spec.endswith(".bin"):
-    return _shards(spec, seq_len)
+    return _shards(spec, seq_len, pack)
   if os.path.isdir(spec):
     files = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(p))
     if not files:
       raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
-    return _split_bytes(spec, files, seq_len)
+    return _split_bytes(spec, files, seq_len, pack)
   if os.path.isfile(spec):
     if os.path.getsize(spec) == 0:
       raise ValueError(f"--data {spec!r} is empty")
-    return _split_bytes(spec, [spec], seq_len)
+    return _split_bytes(spec, [spec], seq_len, pack)
   raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")
