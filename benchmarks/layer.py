@@ -3,9 +3,10 @@
 Sections (`--sections`): default (B4 T128 N8 H64: naive f32, xla f32/bf16, cudnn, te, te-fp8
 with max |difference| to naive f32), seq (T = 64 ... 16384), batch (B = 1 ... 16 at T=256
 and T=4096), heads (N=32 with K = 32, 8, 1 and KV-cache bytes per token), headdim (H = 32,
-64, 128, 256: who accepts what, and why not). Each for the forward and forward+backward
-pass, and (`--levels`) for the bare core (attnlayers.attention) and the whole nnx layer
-(projections + core).
+64, 128, 256: who accepts what, and why not), segments (packed documents) and window (causal
+sliding windows), each against a baseline timed in the same run (benchmarks.packing; not in
+the default list). Each for the forward and forward+backward pass, and (`--levels`) for the
+bare core (attnlayers.attention) and the whole nnx layer (projections + core).
 
 Every row: median/p10/p90 ms of >= 20 timed calls after compilation and warm-up (one
 helper, benchmarks.common), TFLOP/s by benchmarks.flops' convention (the FLOPs the math
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 
 import attnlayers
 from attnlayers.nnx import MultiHeadAttention
-from benchmarks import common, flops, report, wrapper
+from benchmarks import common, flops, packing, report, wrapper
 
 BACKEND_DTYPES = [("naive", "bfloat16"), ("xla", "bfloat16"), ("cudnn", "bfloat16"), ("te", "bfloat16"),
                   ("te-fp8", "bfloat16")]
@@ -53,10 +54,27 @@ class Case:
   causal: bool
   pass_: str  # "fwd" or "fwd+bwd"
   level: str = "core"  # "core" (attnlayers.attention) or "layer" (projections + core)
+  segments: int | None = None  # equal-length documents per row, passed as segment_ids; None: no segment ids
+  window: int | None = None  # left of a causal sliding window, window=(left, 0); None: no window
+
+  def __post_init__(self):
+    if self.window is not None and not self.causal:
+      raise ValueError(f"the benchmarked windows are causal, window=(left, 0) with is_causal=True; got {self}")
+
+  @property
+  def sliding_window(self) -> tuple[int, int] | None:
+    """The window as attnlayers takes it: (left, 0) with is_causal=True."""
+    return None if self.window is None else (self.window, 0)
 
   def flops(self) -> float:
     """The FLOPs the math needs (benchmarks.flops): the core, plus the layer's four projections."""
-    total = flops.attention(self.B, self.T, self.T, self.N, self.H, causal=self.causal, pass_=self.pass_)
+    if self.segments is not None:
+      total = flops.attention_segments(self.B, self.T, self.N, self.H, documents=self.segments, causal=self.causal,
+                                       pass_=self.pass_)
+    elif self.window is not None:
+      total = flops.attention_window(self.B, self.T, self.N, self.H, left=self.window, pass_=self.pass_)
+    else:
+      total = flops.attention(self.B, self.T, self.T, self.N, self.H, causal=self.causal, pass_=self.pass_)
     if self.level == "layer":
       total += flops.projections(self.B, self.T, self.N * self.H, self.N, self.K, self.H, pass_=self.pass_)
     return total
@@ -95,6 +113,9 @@ def plan(quick: bool, sections: list[str], seqs: list[int] | None = None, batche
       T = 128 if quick else 1024
       cases += [Case("headdim", b, d, 2, T, 8, 8, h, True, "fwd", level) for h in (32, 64, 128, 256)
                 for b, d in BACKEND_DTYPES]
+    for section in (s for s in packing.SECTIONS if s in sections):
+      cases += [Case(section, b, d, pass_=p, level=level, **shape) for shape in packing.sweep(section, quick)
+                for b, d in BACKEND_DTYPES for p in passes]
   return cases
 
 
@@ -106,38 +127,48 @@ def _inputs(c: Case):
   return q, k, v
 
 
+def _call_options(c: Case, segment_ids=None) -> dict:
+  """The case's segment_ids (an array, or a jax.ShapeDtypeStruct for explain) and window, where it has them."""
+  return ({} if c.segments is None else {"segment_ids": segment_ids}) | \
+      ({} if c.window is None else {"window": c.sliding_window})
+
+
 def _program(c: Case):
-  """(function, args) timing the case."""
+  """(function, args) timing the case; segment ids are arguments, not differentiated."""
+  data = () if c.segments is None else (packing.segment_ids(c.B, c.T, c.segments),)
   if c.backend in RAW:
     raw = RAW[c.backend][1]
     def f(q, k, v):
       return raw(q, k, v, c.causal)
     args = _inputs(c)
   elif c.level == "core":
-    def f(q, k, v):
-      return attnlayers.attention(q, k, v, backend=c.backend, is_causal=c.causal)
+    def f(q, k, v, segment_ids=None):
+      return attnlayers.attention(q, k, v, backend=c.backend, is_causal=c.causal, **_call_options(c, segment_ids))
     args = _inputs(c)
   else:
     layer = MultiHeadAttention(c.N, c.N * c.H, num_kv_heads=c.K, backend=c.backend, is_causal=c.causal,
-                               decode=False, dtype=jnp.dtype(c.dtype), rngs=nnx.Rngs(0))
+                               sliding_window=c.sliding_window, decode=False, dtype=jnp.dtype(c.dtype),
+                               rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(layer)
     x = jax.random.normal(jax.random.key(1), (c.B, c.T, c.N * c.H)).astype(c.dtype)
-    def f(state, x):
-      return nnx.merge(graphdef, state)(x)
+    def f(state, x, segment_ids=None):
+      return nnx.merge(graphdef, state)(x, segment_ids=segment_ids)
     args = (state, x)
   if c.pass_ == "fwd":
-    return f, args
-  return common.forward_backward(f, args)
+    return f, (*args, *data)
+  return common.forward_backward(f, args, data)
 
 
 def run_case(c: Case, matmul: float, calls: int, warmup: int, reference=None) -> dict:
-  row = {k.rstrip("_"): v for k, v in dataclasses.asdict(c).items()} | {"S": c.T}
+  row = {k.rstrip("_"): v for k, v in dataclasses.asdict(c).items()
+         if k not in packing.SECTIONS or k == c.section} | {"S": c.T}  # segments / window: in their own section
   if c.section == "heads":
     row["kv_cache_bytes_per_token"] = 2 * c.K * c.H * jnp.dtype(c.dtype).itemsize
   q = jax.ShapeDtypeStruct((c.B, c.T, c.N, c.H), jnp.dtype(c.dtype))
   kv = jax.ShapeDtypeStruct((c.B, c.T, c.K, c.H), jnp.dtype(c.dtype))
   backend = RAW[c.backend][0] if c.backend in RAW else c.backend  # a raw kernel needs what its backend needs
-  explained = attnlayers.explain(backend, q, kv, kv, is_causal=c.causal)
+  ids = jax.ShapeDtypeStruct((c.B, c.T), jnp.int32)
+  explained = attnlayers.explain(backend, q, kv, kv, is_causal=c.causal, **_call_options(c, ids))
   if not explained.ok:
     return row | {"status": "unavailable", "reason": "; ".join(explained.unmet[backend])}
   if explained.notes and c.backend not in RAW:
@@ -198,12 +229,18 @@ def write(out: str, env: dict, rows: list[dict]) -> list[str]:
         name = f"layer_{section}_{y}.png" if level == "core" else f"layer_{section}_{level}_{y}.png"
         report.line_plot(os.path.join(out, name), sel, x=x, y=y, title=f"{section} ({level}), causal, fwd+bwd: {y}")
         plots.append(name)
+  plots += packing.plots(out, rows)
   md = [f"# Attention layer benchmarks\n\n{env}\n\n{FLOPS_NOTE}\n"]
   for section in dict.fromkeys(r["section"] for r in rows):
     sel = [r for r in rows if r["section"] == section]
     cols = COLUMNS + (["max_abs_diff_vs_naive_f32"] if section == "default" else []) + \
         (["kv_cache_bytes_per_token"] if section == "heads" else [])
-    md.append(f"## {section}\n\n" + report.markdown_table(sel, cols))
+    if section in packing.SECTIONS:
+      md.append(f"## {section}\n\n{packing.NOTES[section]}\n\n"
+                + report.markdown_table(packing.for_table(section, sel), packing.columns(section, cols))
+                + f"\n\n{packing.targets(section, sel)}")
+    else:
+      md.append(f"## {section}\n\n" + report.markdown_table(sel, cols))
     reasons = sorted({f"- {r['backend']} ({r['status']}): {r['reason']}" for r in sel if r["status"] != "ok"})
     reasons += sorted({f"- {r['backend']} H{r['H']} T{r['T']}: {r['note']}" for r in sel if r.get("note")})
     if reasons:
@@ -237,7 +274,9 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.layer", description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="a CPU-sized subset (what CI runs)")
   p.add_argument("--sections", nargs="+", default=["default", "seq", "batch", "heads", "headdim"],
-                 choices=["default", "seq", "batch", "heads", "headdim"])
+                 choices=["default", "seq", "batch", "heads", "headdim", *packing.SECTIONS],
+                 help=f"default: all but {' and '.join(packing.SECTIONS)} (benchmarks.packing: packed documents, "
+                      "causal sliding windows; each row's ratio is to a baseline timed in the same run)")
   p.add_argument("--seqs", type=int, nargs="+", help="T values of the seq section (default 64 ... 16384)")
   p.add_argument("--batches", type=int, nargs="+", help="B values of the batch sections (default 1 ... 16)")
   p.add_argument("--levels", nargs="+", choices=["core", "layer"], default=["core", "layer"],
@@ -269,7 +308,7 @@ def main(argv=None) -> None:
       reference[key] = reference[key] if key in reference else _reference(c)
       ref = reference[key]
     rows.append(run_case(c, matmul, calls, warmup, ref))
-  plots = write(a.out, env, rows)
+  plots = write(a.out, env, packing.add_ratios(rows))
   counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "unavailable", "skipped", "error")}
   print(f"{len(rows)} rows {counts}; wrote layer.json, layer.csv, layer.md and {len(plots)} plots to {a.out}")
 

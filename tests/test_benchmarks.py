@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import models
-from benchmarks import decode, layer
+from benchmarks import decode, layer, packing
 from tests import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,6 +58,68 @@ def test_layer_quick_writes_json_csv_markdown_and_plots(tmp_path):
     xla16 = default[(level, "xla", "bfloat16")]["max_abs_diff_vs_naive_f32"]
     assert xla32 < reference.TOLERANCES[("float32", "out")][0] * 10, xla32
     assert 0 < xla16 < reference.TOLERANCES[("bfloat16", "out")][0] * 10, xla16  # bf16 rounding shows, within bounds
+
+
+def test_layer_quick_segments_and_window_sections(tmp_path, monkeypatch):
+  monkeypatch.setattr(layer.common, "matmul_tflops", lambda **_: 1.0)  # its 3 s on a CPU; tested above
+  layer.main(["--quick", "--sections", "segments", "window", "--levels", "core", "--out", str(tmp_path)])  # in-process
+  result = json.load(open(tmp_path / "layer.json"))
+  rows = result["rows"]
+  seg = {(r["backend"], r["pass"], r["segments"]): r for r in rows if r["section"] == "segments"}
+  win = {(r["backend"], r["pass"], r["T"], r["window"]): r for r in rows if r["section"] == "window"}
+  backends, passes = [b for b, _ in layer.BACKEND_DTYPES], ["fwd", "fwd+bwd"]
+  assert set(seg) == {(b, p, s["segments"]) for b in backends for p in passes for s in packing.sweep("segments", True)}
+  assert set(win) == {(b, p, s["T"], s["window"]) for b in backends for p in passes
+                      for s in packing.sweep("window", True)}
+  assert all("window" not in r for r in seg.values()) and all("segments" not in r for r in win.values())
+  for r in rows:
+    if r["backend"] in ("naive", "xla"):
+      assert r["status"] == "ok", r
+      c = layer.Case(r["section"], r["backend"], r["dtype"], r["B"], r["T"], r["N"], r["K"], r["H"], r["causal"],
+                     r["pass"], r["level"], segments=r.get("segments"), window=r.get("window"))
+      assert r["tflops"] == pytest.approx(c.flops() / (r["median_ms"] * 1e-3) / 1e12, rel=1e-9)
+    else:  # on a CPU: refused, with the reason
+      assert r["status"] == "unavailable" and "GPU" in r["reason"], r
+  for (b, p, docs), r in seg.items():  # time over the same backend's and pass's unpacked time, this run
+    if r["status"] == "ok":
+      assert r["vs_unpacked"] == pytest.approx(r["median_ms"] / seg[(b, p, None)]["median_ms"], rel=1e-12)
+  for (b, p, T, w), r in win.items():  # the full-causal time at the same T over this row's
+    if r["status"] == "ok":
+      assert r["vs_full"] == pytest.approx(win[(b, p, T, None)]["median_ms"] / r["median_ms"], rel=1e-12)
+  assert seg[("xla", "fwd", None)]["vs_unpacked"] == 1 and win[("xla", "fwd", 64, None)]["vs_full"] == 1
+  md = (tmp_path / "layer.md").read_text()
+  for text in ("## segments", "## window", "| vs_unpacked |", "| vs_full |", "| none |", "| full |",
+               "window=(left, 0) with is_causal=True", "equal-length documents", "Target: 8 documents at T = 4096"):
+    assert text in md, text
+  names = {p.name for p in tmp_path.glob("*.png")}
+  assert {"layer_segments_median_ms.png", "layer_segments_vs_unpacked.png", "layer_window_T64_vs_full.png",
+          "layer_window_T128_vs_full.png"} == names
+
+
+def _row(section, backend, level, pass_, T, value, ms, status="ok"):
+  return {"section": section, "backend": backend, "dtype": "bfloat16", "level": level, "pass": pass_, "B": 1, "T": T,
+          "N": 4, "K": 4, "H": 32, "causal": True, section: value, "status": status, "median_ms": ms}
+
+
+def test_ratios_use_the_baseline_of_the_same_backend_pass_level_and_T():
+  rows = [_row("segments", "te", "core", "fwd", 4096, None, 2.0), _row("segments", "te", "core", "fwd", 4096, 8, 2.1),
+          _row("segments", "te", "core", "fwd+bwd", 4096, None, 8.0),
+          _row("segments", "te", "layer", "fwd", 4096, 8, 3.0),  # its baseline is missing: no ratio
+          _row("segments", "cudnn", "core", "fwd", 4096, None, 1.0, status="error"),
+          _row("segments", "cudnn", "core", "fwd", 4096, 8, 1.0),  # its baseline failed: no ratio
+          _row("window", "cudnn", "core", "fwd+bwd", 16384, None, 15.0),
+          _row("window", "cudnn", "core", "fwd+bwd", 16384, 1024, 3.0),
+          _row("window", "cudnn", "core", "fwd+bwd", 8192, None, 4.0),
+          _row("window", "cudnn", "core", "fwd+bwd", 8192, 1024, 2.0),
+          _row("window", "te", "core", "fwd+bwd", 16384, None, 14.0),
+          _row("window", "te", "core", "fwd+bwd", 16384, 1024, 3.5)]
+  packing.add_ratios(rows)
+  assert [r.get("vs_unpacked") for r in rows[:6]] == [1.0, pytest.approx(1.05), 1.0, None, None, None]
+  assert [r.get("vs_full") for r in rows[6:]] == [1.0, 5.0, 1.0, 2.0, 1.0, 4.0]
+  assert packing.targets("segments", rows[:6]).splitlines()[1:] == [
+      "- te core fwd: 1.05 (met)", "- te layer fwd: no ratio (its unpacked row did not run)",
+      "- cudnn core fwd: no ratio (its unpacked row did not run)"]
+  assert "- core: cudnn (3 ms) 5x (met)" in packing.targets("window", rows[6:])  # the fastest fused backend
 
 
 def test_train_benchmark_writes_rows_for_every_backend(tmp_path):

@@ -110,3 +110,16 @@ def test_sliding_window_counts_the_in_window_causal_pairs():
                                                                                       pass_="fwd")
   assert gap == 4 * B * N * H * T / 2
 
+
+@pytest.mark.parametrize("level, pass_", [("core", "fwd+bwd"), ("layer", "fwd+bwd")])
+@pytest.mark.parametrize("extra", [dict(segments=4), dict(window=3)], ids=["segments4", "window3"])
+def test_packing_programs_run_the_full_square_and_count_only_the_unmasked_pairs(level, pass_, extra):
+  c = dataclasses.replace(case("xla", level, pass_, True), **extra)
+  fn, args = layer._program(c)
+  assert any(x.dtype == jnp.int32 for x in jax.tree.leaves(args)) == ("segments" in extra)  # ids: an argument
+  ran = flops.compiled_dot_flops(fn, *args)
+  proj = flops.projections(B, T, N * H, N, K, H, pass_=pass_) if level == "layer" else 0.0
+  assert ran == flops.attention_full_square(B, T, T, N, H, pass_=pass_) + proj  # unfused: the square, masked
+  assert c.flops() - proj == (flops.attention_segments(B, T, N, H, documents=4, causal=True, pass_=pass_)
+                              if "segments" in extra else flops.attention_window(B, T, N, H, left=3, pass_=pass_))
+  assert c.flops() < ran
