@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the published results on one NVIDIA GPU with TransformerEngine installed.
 # Run from the repository root: `bash benchmarks/h200.sh [OUT] [PART]`. OUT defaults to
-# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, train, decode, so
+# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, packing, train, decode, so
 # that each part fits in one 10-minute device command. `summary` (no GPU needed) then writes
 # benchmarks/RESULTS.md from OUT.
 set -euo pipefail
@@ -17,6 +17,15 @@ fi
 if [[ $PART == all || $PART == layer ]]; then
   python -m benchmarks.layer --sections seq --levels core layer --seqs 1024 4096 16384 --out "$PARTS/seq"
   python -m benchmarks.layer --sections batch --levels core --batches 1 16 --out "$PARTS/batch"
+fi
+if [[ $PART == all || $PART == packing ]]; then
+  # Packed documents (core and layer) and causal sliding windows (core), each row against its baseline timed
+  # in the same process, into OUT/packing. Estimated, not yet timed on the H200: ~3 minutes while only naive
+  # and xla take segment ids and windows (~90 rows that run, ~1.5 s each, mostly compilation; refused rows
+  # cost nothing), about twice that once cudnn, te and te-fp8 take them too.
+  python -m benchmarks.layer --sections segments --levels core layer --out "$PARTS/segments"
+  python -m benchmarks.layer --sections window --levels core --out "$PARTS/window"
+  python -m benchmarks.layer --merge "$PARTS/segments/layer.json" "$PARTS/window/layer.json" --out "$OUT/packing"
 fi
 if [[ $PART == all || $PART == train ]]; then
   python -m benchmarks.train --seq-len 1024 8192 --batch-size 32 4 --steps 20 --run-timeout 90 --out "$OUT"
