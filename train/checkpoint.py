@@ -1,11 +1,12 @@
 """Checkpoints with orbax: model + optimizer state + step + the settings that shape the run.
 
 Each step folder holds `state` (params and optimizer state), `meta` (step, the model's
-architecture fields, seed, data source and the run's trajectory settings) and, for te-fp8
-runs, `fp8` (FP8 scaling state), written by orbax, plus our manifest (train.stepdirs), which
-is what marks the folder as ours and lets a restore prove it intact. A run may switch
-attention backend on resume: FP8 state is then dropped, or starts afresh. The batch of step
-s depends only on (seed, s), so the step is the data position.
+architecture fields and attention window, seed, data source, packing, and the run's
+trajectory settings) and, for te-fp8 runs, `fp8` (FP8 scaling state), written by orbax,
+plus our manifest (train.stepdirs), which is what marks the folder as ours and lets a
+restore prove it intact. A run may switch attention backend on resume: FP8 state is then
+dropped, or starts afresh. The batch of step s depends only on (seed, s), packed or not,
+so the step is the data position.
 
 orbax's CheckpointManager is not used: it takes every numeric folder for a step (it would
 rotate a user's folder `7` away, and skip saves below a foreign `700`), while orbax's
@@ -170,16 +171,21 @@ def _one_line(what: str, call):
     raise CheckpointError(f"cannot {what}: {type(e).__name__}: {first}") from None
 
 
+# What a checkpoint written before a meta key existed meant by its absence: it trained unpacked.
+ABSENT_META = {"pack": False}
+
+
 def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_change=()) -> dict:
   """Refuses a resume that would not continue the saved run; returns the changes `allow_change` accepts.
 
-  Architecture, seed and data must match; the trajectory settings under "run" (learning
-  rate, schedule length, batch, dtype, ...) may differ only where `allow_change` names them.
+  Architecture (with the attention window), seed, data and packing must match; the trajectory
+  settings under "run" (learning rate, schedule length, batch, dtype, ...) may differ only
+  where `allow_change` names them.
   Returns {setting: {"from": checkpoint's value, "to": this run's}} for the accepted differences.
   """
   diffs, accepted = [], {}
-  for key in ("model", "seed", "data", "run"):
-    a, b = saved.get(key), expected.get(key)
+  for key in ("model", "seed", "data", "pack", "run"):
+    a, b = saved.get(key, ABSENT_META.get(key)), expected.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
       for k in sorted(set(a) | set(b)):
         if a.get(k) == b.get(k):

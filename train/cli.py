@@ -93,6 +93,16 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
   p.add_argument("--vocab-size", type=one, help="token ids the model covers; default: the preset's")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype; default: the preset's")
+  p.add_argument("--window", type=one, metavar="N",
+                 help="sliding window of N tokens: each query attends itself and the N - 1 tokens before it "
+                      "(N >= the context length is plain causal attention); default: none, every earlier token")
+  p.add_argument("--window-pattern", metavar="PATTERN",
+                 help="with --window: 'local' (windowed) or 'global' (every earlier token) per layer, comma-separated "
+                      "and repeated over the layers, e.g. 'local,global'; default: local on every layer")
+  p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=False,
+                 help="train on whole documents packed end to end into rows (short ones too), each token attending "
+                      "only its own document (train.packing); validation is the same unpacked held-out windows "
+                      "either way; default: --no-pack, windows cut out of single texts")
   p.add_argument("--batch-size", type=one, default=16, help="global batch, split over every device")
   p.add_argument("--steps", type=one, default=1000, help="optimizer steps in all, counting those before a resume")
   p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (warm-up, then cosine decay)")
@@ -170,12 +180,12 @@ def main(argv=None) -> None:
   try:
     model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
                           n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype,
-                          fp8_core=a.fp8_core)
+                          fp8_core=a.fp8_core, window=a.window, window_pattern=a.window_pattern)
     cfg = loop.TrainConfig(
         model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
         ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,
         metrics=a.metrics, sample_tokens=a.sample_tokens, peak_tflops=a.peak_tflops, progress=a.progress,
-        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change))
+        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

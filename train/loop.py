@@ -4,6 +4,10 @@
 surface here, before anything compiles), load data, build the model and optimizer, resume
 from the newest intact checkpoint, train, summarise. SIGINT and SIGTERM end the step being
 run, save it and raise signals.Stopped.
+
+Packed runs (TrainConfig.pack) train on rows of whole documents (train.packing); validation
+is the same unpacked held-out windows in both modes (train.data says why). Neither mode pads,
+so tokens_per_s counts only real tokens.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class TrainConfig:
   progress: bool = True  # tqdm bar
   profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of PROFILE_WINDOW here
   allow_change: tuple[str, ...] = ()  # TRAJECTORY settings a resume may change; recorded in the metrics file
+  pack: bool = False  # train on packed documents (train.packing); validation is unpacked windows either way
 
   def __post_init__(self):
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
@@ -88,11 +93,13 @@ class TrainConfig:
     return {f: getattr(self, f) for f in TRAJECTORY if f != "dtype"} | {"dtype": self.model.dtype}
 
 
-def _loss(graphdef, params, fp8, x, y, dropout_key):
+def _loss(graphdef, params, fp8, batch: dict, dropout_key):
+  """Mean cross-entropy over every target of `batch` (Batches: no padding, none left out, packed or not)."""
   model = nnx.merge(graphdef, params, fp8)
   rngs = nnx.Rngs(dropout=dropout_key) if model.cfg.dropout else None
-  logits = model(x, rngs=rngs)  # (B, T, V) float32
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  logits = model(batch["inputs"], rngs=rngs, segment_ids=batch.get("segment_ids"),
+                 positions=batch.get("positions"))  # (B, T, V) float32
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +109,8 @@ class Model:
   tx: optax.GradientTransformation  # AdamW with the run's schedule
   lr_at: optax.Schedule  # the learning rate of each update, by 0-based index
   n_params: int  # as nanoGPT counts them for FLOPs
-  train_step: object  # (state, x, y, step) -> (new state, loss); donates the old state
-  eval_loss: object  # (params, fp8, x, y) -> loss, dropout off
+  train_step: object  # (state, batch, step) -> (new state, loss); donates the old state
+  eval_loss: object  # (params, fp8, batch) -> loss, dropout off
 
 
 def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
@@ -118,30 +125,40 @@ def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
   state = jax.device_put({"params": params, "opt_state": tx.init(params), "fp8": fp8}, replicated)
 
   @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers hold the new one
-  def train_step(state, x, y, step):
+  def train_step(state, batch, step):
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)  # dropout depends on (seed, step) only
-    loss, (grads, fp8) = jax.value_and_grad(lambda p, f: _loss(graphdef, p, f, x, y, key), argnums=(0, 1))(
+    loss, (grads, fp8) = jax.value_and_grad(lambda p, f: _loss(graphdef, p, f, batch, key), argnums=(0, 1))(
         state["params"], state["fp8"])  # the FP8Meta "gradient" is its updated value (attnlayers.fp8)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "fp8": fp8}, loss
 
-  eval_loss = jax.jit(lambda params, fp8, x, y: _loss(graphdef, params, fp8, x, y, None))
+  eval_loss = jax.jit(lambda params, fp8, batch: _loss(graphdef, params, fp8, batch, None))
   lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
   return Model(graphdef, tx, lr_at, models.count_params(model), train_step, eval_loss), state
 
 
+BATCH_FIELDS = ("inputs", "targets", "segment_ids", "positions")  # a packed batch's arrays; unpacked: the first two
+
+
 @dataclasses.dataclass(frozen=True)
 class Batches:
-  """Step s's batch on the devices: every process cuts its rows out of the same global batch."""
+  """Step s's batch on the devices: every process cuts its rows out of the same global batch.
+
+  A batch is a dict of int32 (B, T) arrays named by BATCH_FIELDS: packed training rows carry
+  all four, validation (and unpacked training) windows inputs and targets only."""
   dataset: data.Dataset  # the token source
-  cfg: TrainConfig  # seed, batch size, sequence length
+  cfg: TrainConfig  # seed, batch size, sequence length, packing
   sharding: NamedSharding  # rows split over the "data" axis
 
-  def __call__(self, split: str, step: int):
+  def __call__(self, split: str, step: int) -> dict:
     local = self.cfg.batch_size // jax.process_count()
     lo = jax.process_index() * local
-    x, y = self.dataset.batch(split, self.cfg.seed, step, self.cfg.batch_size, self.cfg.model.seq_len)
-    return tuple(jax.make_array_from_process_local_data(self.sharding, a[lo:lo + local]) for a in (x, y))
+    if self.cfg.pack and split == "train":
+      arrays = self.dataset.packed_batch(self.cfg.seed, step, self.cfg.batch_size)
+    else:
+      arrays = self.dataset.batch(split, self.cfg.seed, step, self.cfg.batch_size, self.cfg.model.seq_len)
+    return {name: jax.make_array_from_process_local_data(self.sharding, a[lo:lo + local])
+            for name, a in zip(BATCH_FIELDS, arrays)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +199,7 @@ def _open_outputs(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[checkp
 
 
 def _load_data(cfg: TrainConfig) -> data.Dataset:
-  dataset = data.load(cfg.data, cfg.model.seq_len)
+  dataset = data.load(cfg.data, cfg.model.seq_len, pack=cfg.pack)
   if dataset.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"data {dataset.name} has token ids up to {dataset.vocab_size - 1}, more than the model's "
                      f"vocab_size {cfg.model.vocab_size}; use --vocab-size {dataset.vocab_size} or larger")
@@ -218,7 +235,7 @@ def _finite(loss: float, step: int, ckpts) -> float:
 
 
 def _validate(s: Session, state: dict) -> float:
-  losses = [s.model.eval_loss(state["params"], state["fp8"], *s.batches("val", i)) for i in range(s.cfg.eval_batches)]
+  losses = [s.model.eval_loss(state["params"], state["fp8"], s.batches("val", i)) for i in range(s.cfg.eval_batches)]
   return float(np.mean([float(l) for l in losses]))
 
 
@@ -280,7 +297,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
     batch = s.batches("train", s.start + 1)
     for step in range(s.start + 1, cfg.steps + 1):
       profiler.before(step)
-      state, loss_arr = s.model.train_step(state, *batch, step)
+      state, loss_arr = s.model.train_step(state, batch, step)
       if step < cfg.steps:
         batch = s.batches("train", step + 1)  # the next batch is made while this step runs
       profiler.after(step, loss_arr)
@@ -315,12 +332,28 @@ def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
   return signals.Stopped(s.stop.received, step, f"stopped by {s.stop.name} after step {step}: {where}")
 
 
-def attention_ran(cfg: models.GPTConfig, batch_size: int) -> str | None:
-  """The kernel the model's attention calls run on (what `auto` chose), from shape stand-ins."""
+def attention_plans(cfg: models.GPTConfig, batch_size: int, pack: bool) -> list[attnlayers.Plan]:
+  """How the training step's attention calls run, one plan per distinct layer window, from shape stand-ins."""
   dt = jnp.dtype(cfg.dtype)
   q = jax.ShapeDtypeStruct((batch_size, cfg.seq_len, cfg.n_head, cfg.head_dim), dt)  # (B, T, N, H)
   kv = jax.ShapeDtypeStruct((batch_size, cfg.seq_len, cfg.n_kv_head or cfg.n_head, cfg.head_dim), dt)  # (B, S, K, H)
-  return attnlayers.explain(cfg.backend, q, kv, kv, is_causal=cfg.causal).chosen
+  ids = jax.ShapeDtypeStruct((batch_size, cfg.seq_len), jnp.int32) if pack else None  # (B, T)
+  windows = dict.fromkeys(cfg.layer_window(i) for i in range(cfg.n_layer))
+  return [attnlayers.explain(cfg.backend, q, kv, kv, is_causal=cfg.causal, fp8_core=cfg.fp8_core, segment_ids=ids,
+                             window=w) for w in windows]
+
+
+def _check_attention(cfg: TrainConfig) -> None:
+  """BackendUnavailableError, with every reason, where the backend cannot run the model's attention (checked
+  before any work)."""
+  for plan in attention_plans(cfg.model, cfg.batch_size, cfg.pack):
+    if not plan.ok:
+      raise attnlayers.BackendUnavailableError.from_plan(plan)
+
+
+def attention_ran(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> str | None:
+  """The kernel the model's attention calls run on (what `auto` chose); layers that differ: "a, b"."""
+  return ", ".join(dict.fromkeys(str(p.chosen) for p in attention_plans(cfg, batch_size, pack)))
 
 
 def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) -> dict:
@@ -330,7 +363,7 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
       "event": "summary", "steps": cfg.steps, "final_loss": loss, "params": s.model.n_params,
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
-      "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size),
+      "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
   if cfg.sample_tokens:
@@ -363,12 +396,14 @@ def run(cfg: TrainConfig) -> dict:
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(signals.StopRequests())
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
+    _check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. segment ids on cudnn)
     ckpts, out = _open_outputs(cfg, stack)
     dataset = _load_data(cfg)
     if cfg.batch_size % jax.device_count():
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))  # XLA SPMD partitions
-    meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": dataset.name, "run": cfg.trajectory()}
+    meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": dataset.name, "pack": cfg.pack,
+            "run": cfg.trajectory()}
     start = _resume_point(cfg, ckpts, meta, out)
     model, state = build(cfg, NamedSharding(mesh, P()))
     if start:
