@@ -35,7 +35,7 @@ import functools
 
 import numpy as np
 
-BYTE_SEPARATOR = 0  # closes each text of a byte corpus: NUL, which text files do not contain
+BYTE_SEPARATOR = 0  # closes each text of a byte corpus: NUL, which text files do not hold (from_texts: if one does)
 GPT2_EOT = 50256  # GPT-2's <|endoftext|>, already between the documents of a token shard
 
 
