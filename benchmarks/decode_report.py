@@ -24,7 +24,9 @@ BYTES_NOTE = ("Bytes moved per decode step = the parameters as the decoder holds
               "measured time per step (1 GB = 1e9 bytes); `frac_copy_bw` = that over `copy_gb_per_s`, an "
               "elementwise x + 1 over a `copy_bytes` float32 buffer timed at the start and at the end of the same "
               "process, the faster of the two (bytes = read + write); above 1 where the bytes come from a cache nearer than main memory (small "
-              "models on a CPU). `kv_cache_mib`: the whole cache, 2·n_layer·B·cache_len·K·H·itemsize.")
+              "models on a CPU). `kv_cache_mib`: the whole cache, 2·n_layer·B·cache_len·K·H·itemsize. B is the "
+              "batch asked for; on a GPU a batch of 1 runs as `decode_min_rows` rows (models.generate.MIN_GPU_ROWS), "
+              "whose extra traffic is not counted.")
 COLUMNS = ["K", "backend", "batch", "context", "kv_cache_mib", "decode_ms_per_step", "tokens_per_s", "gb_per_s",
            "frac_copy_bw", "prefill_ms", "model"]
 

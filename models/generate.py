@@ -117,25 +117,22 @@ def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling,
 
 _COMPILED: dict = {}  # (program, static arguments, argument shapes) -> executable
 
-# XLA's GPU compiler turns a vector-matrix product (a decode step at batch 1: one token's row) into
-# multiply + reduce fusions ("dot strength reduction"). On the H200 that made a gpt2-small decode step
-# 0.727 ms at batch 1 against 0.567 at batch 2; with it off, batch 1 runs the GEMM kernels larger batches
-# run. An XLA without this option (it is not in every version) compiles with its defaults.
-GPU_COMPILER_OPTIONS = {"xla_gpu_enable_dot_strength_reduction": False}
+# XLA's GPU compiler rewrites a vector-matrix product (every projection of a batch-1 decode step)
+# into multiply + reduce fusions ("dot strength reduction", no option turns it off in jax 0.11's XLA).
+# On the H200 that made a gpt2-small decode step 0.727 ms at batch 1 against 0.567 at batch 2, so on a
+# GPU a batch of one decodes as two rows (the second a copy of the first, dropped) and runs the GEMMs.
+MIN_GPU_ROWS = 2
 
 
-@functools.cache
-def compiler_options() -> dict:
-  """The options the decoding programs compile with here: GPU_COMPILER_OPTIONS on a GPU whose XLA knows them."""
-  if jax.default_backend() != "gpu":
-    return {}
-  try:
-    jax.jit(lambda x: x @ x).lower(jnp.ones((2, 2))).compile(compiler_options=GPU_COMPILER_OPTIONS)
-  except jax.errors.JaxRuntimeError as e:
-    if "No such compile option" not in str(e):
-      raise
-    return {}
-  return dict(GPU_COMPILER_OPTIONS)
+def _rows(batch: int) -> int:
+  """The rows the compiled programs hold for `batch` sequences (see MIN_GPU_ROWS)."""
+  return max(batch, MIN_GPU_ROWS) if jax.default_backend() == "gpu" else batch
+
+
+def _pad_rows(x, rows: int):
+  """x (B, ...) with rows - B copies of its first row appended."""
+  x = jnp.asarray(x)
+  return x if x.shape[0] == rows else jnp.concatenate([x, jnp.repeat(x[:1], rows - x.shape[0], axis=0)])
 
 
 def _compiled(fn, statics: dict, args: tuple):
@@ -146,7 +143,7 @@ def _compiled(fn, statics: dict, args: tuple):
     return _COMPILED[key], 0.0
   t0 = time.perf_counter()
   lowered = jax.jit(lambda *a: fn(*a, **statics), donate_argnums=2).lower(*args)
-  _COMPILED[key] = lowered.compile(compiler_options=compiler_options() or None)
+  _COMPILED[key] = lowered.compile()
   return _COMPILED[key], time.perf_counter() - t0
 
 
@@ -177,11 +174,12 @@ class Decoder:
     if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
       raise ValueError(f"stop_token ({stop_token}) must be a token id in [0, {cfg.vocab_size})")
     self.cfg, self.batch, self.cache_len, self.prompt_len = cfg, batch, cache_len, prompt_len
+    self.rows = _rows(batch)  # rows the programs and the cache hold (>= batch; the extra ones dropped)
     self.sampling, self.stop = sampling, NO_STOP if stop_token is None else stop_token
 
     def build() -> GPT:  # the decoding graph: the model under `cfg`, with a cache
       m = GPT(cfg, rngs=nnx.Rngs(0))
-      m.init_cache(batch, cache_len)
+      m.init_cache(self.rows, cache_len)
       return m
 
     self.graphdef, params, self._cache_shapes, rest = nnx.split(nnx.eval_shape(build), nnx.Param, nnx.Cache, ...)
@@ -198,7 +196,7 @@ class Decoder:
 
   def _compile(self) -> None:
     """Compiles (or finds compiled) both programs for this decoder's shapes; compile_s: the seconds it took."""
-    B, i32 = self.batch, jnp.int32
+    B, i32 = self.rows, jnp.int32
     spec = lambda shape, dtype=i32: jax.ShapeDtypeStruct(shape, dtype)
     state = (self.params, self.rest, self._cache_shapes, jax.eval_shape(lambda: jax.random.key(0)))
     statics = {"graphdef": self.graphdef, "sampling": dataclasses.replace(self.sampling, seed=0)}
@@ -227,9 +225,9 @@ class Decoder:
     if state["pos"].max() + self.prompt_len > self.cache_len:
       raise ValueError(f"a chunk of {self.prompt_len} tokens after position {state['pos'].max()} passes the "
                        f"cache's {self.cache_len} positions")
-    cache, key, first = self._prefill(*self._args(state), jnp.asarray(prompts, jnp.int32),
-                                      jnp.asarray(lengths, jnp.int32))
-    return state | {"cache": cache, "key": key, "pos": state["pos"] + lengths}, first
+    cache, key, first = self._prefill(*self._args(state), _pad_rows(prompts.astype(np.int32), self.rows),
+                                      _pad_rows(lengths.astype(np.int32), self.rows))
+    return state | {"cache": cache, "key": key, "pos": state["pos"] + lengths}, first[:self.batch]
 
   def decode(self, state: dict, first_tokens: Int[Array, "B"], steps: int) -> tuple[dict, Int[Array, "B S"],
                                                                                      Int[Array, "B"]]:
@@ -240,9 +238,10 @@ class Decoder:
     if not 0 <= steps <= room:
       raise ValueError(f"steps must be in [0, {room}]: the cache has {self.cache_len} positions and its fullest row "
                        f"is at {int(state['pos'].max())}; got {steps}")
-    cache, key, out, n_new = self._decode(*self._args(state), jnp.asarray(first_tokens, jnp.int32), jnp.int32(steps),
-                                         jnp.int32(self.stop))
-    return state | {"cache": cache, "key": key, "pos": state["pos"] + steps}, out[:, :steps], n_new
+    first = _pad_rows(jnp.asarray(first_tokens, jnp.int32), self.rows)
+    cache, key, out, n_new = self._decode(*self._args(state), first, jnp.int32(steps), jnp.int32(self.stop))
+    return (state | {"cache": cache, "key": key, "pos": state["pos"] + steps}, out[:self.batch, :steps],
+            n_new[:self.batch])
 
 
 @dataclasses.dataclass

@@ -106,6 +106,19 @@ def test_ragged_batch_equals_each_row_alone():
     np.testing.assert_array_equal(tokens, alone)
 
 
+def test_one_row_padded_to_two_rows_decodes_the_same(monkeypatch):
+  """On a GPU a batch of one runs as two rows (models.generate.MIN_GPU_ROWS); forced here on the CPU,
+  the tokens must be the one-row decoder's, sampled or greedy."""
+  m = model(config())
+  sampled = Sampling(temperature=1.0, top_k=8, seed=3)
+  want = [generate(m, PROMPTS[1:2], max_new_tokens=NEW, sampling=s).tokens[0] for s in (GREEDY, sampled)]
+  monkeypatch.setattr(models.generate, "_rows", lambda batch: max(batch, 2))
+  for s, w in zip((GREEDY, sampled), want):
+    gen = generate(m, PROMPTS[1:2], max_new_tokens=NEW, sampling=s)
+    assert len(gen.tokens) == 1
+    np.testing.assert_array_equal(gen.tokens[0], w)
+
+
 def test_stop_token_ends_each_row_at_its_first_stop():
   m = model(config())
   free = [t.tolist() for t in generate(m, PROMPTS, max_new_tokens=NEW, sampling=GREEDY).tokens]
