@@ -175,9 +175,8 @@ BAD_FLAGS = {
     "pattern-without-window": (["--window-pattern", "local,global"], "give window (tokens per window) too"),
     "pattern-unknown-word": (["--window", "8", "--window-pattern", "local,dense"],
                              "window_pattern must list 'local' or 'global' per layer"),
-    "pack-on-cudnn": (["--pack", "--attn", "cudnn", "--dtype", "bfloat16"], "cudnn does not run segment ids"),
-    "window-on-te": (["--window", "8", "--attn", "te", "--dtype", "bfloat16"],
-                     "te does not run a sliding window (7, 0)"),
+    "backend-cannot-run": (["--pack", "--window", "8", "--attn", "cudnn", "--dtype", "bfloat16"],
+                           "backend 'cudnn' cannot run"),  # on a CPU for that alone; checked before any work
 }
 
 
@@ -193,6 +192,13 @@ def test_bad_packing_or_window_flag_exits_2_before_building_anything(tmp_path, c
   err = capsys.readouterr().err
   assert e.value.code == 2 and message in err, err
   assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("pattern, windows", [("local", [(7, 0)]), ("local,global", [(7, 0), None])])
+def test_the_backend_check_sees_segment_ids_and_every_layer_window(pattern, windows):
+  plans = loop.attention_plans(models.preset("tiny", window=8, window_pattern=pattern), 8, pack=True)
+  assert [p.call.window for p in plans] == windows and all(p.call.segments and p.ok for p in plans)
+  assert not loop.attention_plans(models.preset("tiny"), 8, pack=False)[0].call.segments
 
 
 @pytest.fixture(scope="module")

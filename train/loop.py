@@ -396,7 +396,7 @@ def run(cfg: TrainConfig) -> dict:
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(signals.StopRequests())
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
-    _check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. segment ids on cudnn)
+    _check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. its segment ids)
     ckpts, out = _open_outputs(cfg, stack)
     dataset = _load_data(cfg)
     if cfg.batch_size % jax.device_count():
