@@ -19,8 +19,8 @@ in rows with segment ids and positions.
 
 Validation is the same unpacked held-out windows in both modes (`batch("val", ...)`): plain
 causal windows inside held-out texts, as every run before packing measured. So the val_loss
-of a packed and an unpacked run compare on identical tokens, it runs on every backend that
-trains the model (not every kernel takes segment ids), and a packed model meets nothing
+of a packed and an unpacked run compare on identical tokens, it needs no segment ids (which
+not every kernel takes), and a packed model meets nothing
 there it did not train on: a window that starts inside a text at position 0 is what a packed
 row's continued document is. It needs a held-out text longer than seq_len + 1 tokens, and it
 does not score short documents or a document's first tokens. On GPT-2 shards the windows
