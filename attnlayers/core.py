@@ -20,7 +20,7 @@ def _plan(backend, q, k, v, *, dropout_rate, dropout_rng, broadcast_dropout, **k
 def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=None, scale: float | None = None,
             dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = True, precision=None,
             return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
-            causal_alignment: str = "top-left", segment_ids=None, window=None) -> Plan:
+            causal_alignment: str = "top-left", segment_ids=None, window=None, max_segments=None) -> Plan:
   """Which backend would run this call (for `auto`: which it picks) and every unmet requirement.
 
   Takes exactly the arguments of `attention()` (q, k, v may be jax.ShapeDtypeStruct) and
@@ -31,7 +31,8 @@ def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=N
                dropout_rng=dropout_rng if dropout_rate else None, broadcast_dropout=broadcast_dropout,
                precision=precision, return_weights=return_weights, fp8_core=fp8_core,
                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-               causal_alignment=causal_alignment, segment_ids=segment_ids, window=window)[0]
+               causal_alignment=causal_alignment, segment_ids=segment_ids, window=window,
+               max_segments=max_segments)[0]
 
 
 def attention(
@@ -55,6 +56,7 @@ def attention(
     causal_alignment: str = "top-left",
     segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     window: tuple[int, int] | None = None,
+    max_segments: int | None = None,
 ):
   """Scaled dot-product attention on the chosen kernel.
 
@@ -89,6 +91,9 @@ def attention(
     window: (left, right), two ints >= 0, static: the query at position p attends keys in
       [p - left, p + right] (p = t, or t + Sb - Tb bottom-right). With is_causal the right side
       is cut at p; window=(L, 0) alone is a causal window. None: no window.
+    max_segments: with segment_ids, the most documents (runs of one non-zero id) any row holds;
+      static. te runs a packed call as B * max_segments sequences, so a tight bound is faster;
+      None: T (always enough). Concrete ids with more raise; traced ones make their row NaN on te.
     Queries that are padding, or that lengths, causality, segments and the window leave with no
     key, output exactly 0 (zero gradients) on every backend. Traced lengths outside [0, T] /
     [0, S] make their row NaN.
@@ -100,7 +105,8 @@ def attention(
                        dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
                        precision=precision, return_weights=return_weights, fp8_core=fp8_core,
                        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-                       causal_alignment=causal_alignment, segment_ids=segment_ids, window=window)
+                       causal_alignment=causal_alignment, segment_ids=segment_ids, window=window,
+                       max_segments=max_segments)
   if not chosen.ok:
     raise BackendUnavailableError.from_plan(chosen)
   return backends.REGISTRY[chosen.chosen].run(q, k, v, opts)

@@ -13,8 +13,8 @@ cache_index), so Flax's initialisation and checkpoints carry over. Added fields:
   sliding_window: default (left, right) window of every call (attnlayers.attention's `window`);
                 the call's `sliding_window=` overrides it (None there: no window).
 
-Added call arguments: `segment_ids=` (packed documents, see attnlayers.attention), and
-`sliding_window=`.
+Added call arguments: `segment_ids=` (packed documents, see attnlayers.attention),
+`max_segments=` (its bound on documents per row) and `sliding_window=`.
 
 Decoding (decode=True) on the layer's own backends uses attnlayers' cache, as attnlayers.nnx
 does (attnlayers.kv_cache): `init` with a (*batch, max_length, features) input shapes it, with
@@ -81,10 +81,11 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
                deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False,
                is_causal: bool | None = None, lengths=None, segment_ids=None,
-               sliding_window=spec.LAYER_DEFAULT):  # ours: is_causal, lengths, segment_ids, sliding_window
+               sliding_window=spec.LAYER_DEFAULT, max_segments=None):  # ours: is_causal ... max_segments
     attention_fn = self._attention_fn()  # ours
     window = spec.check_window(self.sliding_window if sliding_window is spec.LAYER_DEFAULT else sliding_window)  # ours
-    extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window)) if x is not None}  # ours
+    extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("max_segments", max_segments))
+             if x is not None}  # ours
     if extra and not isinstance(attention_fn, BackendAttention):  # ours
       raise ValueError("segment_ids= and sliding windows need the layer's own backends; a custom attention_fn "
                        "takes Flax's arguments only")
@@ -237,7 +238,7 @@ class SelfAttention(MultiHeadDotProductAttention):
   @nn.compact
   def __call__(self, inputs_q, mask=None, deterministic: bool | None = None, dropout_rng=None,  # type: ignore[override]
                sow_weights: bool = False, is_causal: bool | None = None, segment_ids=None,
-               sliding_window=spec.LAYER_DEFAULT):
+               sliding_window=spec.LAYER_DEFAULT, max_segments=None):
     return super().__call__(inputs_q, mask=mask, deterministic=deterministic, dropout_rng=dropout_rng,
                             sow_weights=sow_weights, is_causal=is_causal, segment_ids=segment_ids,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, max_segments=max_segments)

@@ -18,7 +18,8 @@ scaling state is FP8Meta variables beside the parameters (see attnlayers.fp8), w
 training step must carry: `nnx.split(layer, nnx.Param, FP8Meta)`.
 
 Added call arguments: `segment_ids=` (packed documents: (*batch, T) ids, 0 = padding, or a
-pair (q ids, kv ids) for cross-attention; see attnlayers.attention) and `sliding_window=`.
+pair (q ids, kv ids) for cross-attention; see attnlayers.attention), `max_segments=` (the most
+documents a row holds; te runs B * max_segments sequences) and `sliding_window=`.
 
 Decoding (attnlayers.kv_cache says why it differs from Flax's cache):
 
@@ -83,10 +84,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     self.cache_index = nnx.Cache(jnp.zeros(tuple(input_shape[:-2]), jnp.int32))
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, is_causal: bool | None = None,
-               decode: bool | None = None, lengths=None, segment_ids=None, sliding_window=spec.LAYER_DEFAULT, **kwargs):
+               decode: bool | None = None, lengths=None, segment_ids=None, sliding_window=spec.LAYER_DEFAULT,
+               max_segments=None, **kwargs):
     causal = self.is_causal if is_causal is None else is_causal
     window = self.sliding_window if sliding_window is spec.LAYER_DEFAULT else spec.check_window(sliding_window)
-    extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window)) if x is not None}
+    extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("max_segments", max_segments))
+             if x is not None}
     custom = not isinstance(self.attention_fn, BackendAttention)  # a custom attention_fn takes Flax's arguments only
     if custom and extra:
       raise ValueError("segment_ids= and sliding windows need the layer's own backends; a custom attention_fn "

@@ -79,10 +79,16 @@ class Options:
   q_segment_ids: object = None  # int (B, T): query t's document; 0 = padding (attends nothing)
   kv_segment_ids: object = None  # int (B, S): key s's document; 0 = padding (attended by nothing)
   window: tuple[int, int] | None = None  # (left, right): query at p attends keys in [p - left, p + right]
+  max_segments: int | None = None  # most documents (runs of one non-zero id) in a row; None: T (te sizes its batch by it)
 
   @property
   def has_lengths(self) -> bool:
     return self.query_seq_lengths is not None or self.key_value_seq_lengths is not None
+
+  @property
+  def shared_segments(self) -> bool:
+    """One segment_ids array serves queries and keys (self-attention over a packed row)."""
+    return self.has_segments and self.q_segment_ids is self.kv_segment_ids
 
   @property
   def has_segments(self) -> bool:
@@ -112,6 +118,8 @@ class Call:
   causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS
   segments: bool = False  # segment ids given (packed documents)
   window: tuple[int, int] | None = None  # sliding window (left, right)
+  shared_segments: bool = False  # one segment_ids array for queries and keys (not a pair)
+  max_segments: int | None = None  # the caller's bound on documents per row (None: T)
 
   @property
   def has_lengths(self) -> bool:
@@ -157,7 +165,8 @@ def check_array_args(q, k, v) -> None:
 
 def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None = None, precision=None,
             return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
-            causal_alignment: str = "top-left", segment_ids=None, window=None, head_dim: int) -> Options:
+            causal_alignment: str = "top-left", segment_ids=None, window=None, max_segments=None,
+            head_dim: int) -> Options:
   """Validates the scalar options of a call (scale, is_causal, fp8_core) and returns them as one Options."""
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
@@ -183,10 +192,16 @@ def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None =
   if dropout is not None and dropout.rng is None:
     raise ValueError(f"dropout_rate={dropout.rate} needs a dropout_rng (a jax PRNG key)")
   q_ids, kv_ids = _split_segment_ids(segment_ids)
+  if max_segments is not None:
+    if segment_ids is None:
+      raise ValueError("max_segments= bounds the documents of segment_ids=; pass segment_ids too (or drop it)")
+    if not isinstance(max_segments, numbers.Integral) or isinstance(max_segments, bool) or max_segments < 1:
+      raise ValueError(f"max_segments must be an int >= 1, the most documents any row holds; got {max_segments!r}")
   return Options(scale=scale, is_causal=bool(is_causal), mask=mask, bias=bias, dropout=dropout, precision=precision,
                  return_weights=bool(return_weights), fp8_core=fp8_core, query_seq_lengths=query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
-                 q_segment_ids=q_ids, kv_segment_ids=kv_ids, window=check_window(window))
+                 q_segment_ids=q_ids, kv_segment_ids=kv_ids, window=check_window(window),
+                 max_segments=None if max_segments is None else int(max_segments))
 
 
 def check_window(window) -> tuple[int, int] | None:
@@ -280,12 +295,16 @@ def describe(q, k, v, opts: Options) -> Call:
     _check_segment_ids("q_segment_ids" if opts.q_segment_ids is not opts.kv_segment_ids else "segment_ids",
                        opts.q_segment_ids, (B, T), "(B, T)")
     _check_segment_ids("kv_segment_ids", opts.kv_segment_ids, (B, S), "(B, S)")
+    if opts.max_segments is not None:
+      for name, ids in (("q_segment_ids", opts.q_segment_ids), ("kv_segment_ids", opts.kv_segment_ids)):
+        _check_max_segments(name, ids, opts.max_segments)
   return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=np.dtype(q.dtype), is_causal=opts.is_causal,
               mask_shape=mask_shape, bias_shape=bias_shape, dropout=opts.dropout is not None,
               return_weights=opts.return_weights, precision=opts.precision, fp8_core=opts.fp8_core,
               device=device_lib.of(q, k, v), q_lengths=opts.query_seq_lengths is not None,
               kv_lengths=opts.key_value_seq_lengths is not None, causal_alignment=opts.causal_alignment,
-              segments=opts.has_segments, window=opts.window)
+              segments=opts.has_segments, window=opts.window, shared_segments=opts.shared_segments,
+              max_segments=opts.max_segments)
 
 
 def _check_segment_ids(name: str, x, shape: tuple[int, int], letters: str) -> None:
@@ -299,3 +318,20 @@ def _check_segment_ids(name: str, x, shape: tuple[int, int], letters: str) -> No
   values = np.asarray(x)
   if values.min() < 0:
     raise ValueError(f"{name} must be >= 0 (documents 1, 2, ...; 0 = padding); got {int(values.min())}")
+
+
+def count_runs(ids: np.ndarray) -> np.ndarray:
+  """(B,) the documents of each row of concrete ids (B, L): runs of one non-zero id (padding 0 ends a run)."""
+  prev = np.concatenate([np.zeros_like(ids[:, :1]), ids[:, :-1]], axis=1)
+  return ((ids != 0) & (ids != prev)).sum(axis=1)
+
+
+def _check_max_segments(name: str, x, limit: int) -> None:
+  """Concrete ids hold at most `limit` documents per row (traced: the fused kernels make such rows NaN)."""
+  if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+    return
+  runs = count_runs(np.asarray(x))
+  b = int(np.argmax(runs))
+  if runs[b] > limit:
+    raise ValueError(f"{name}: row {b} holds {int(runs[b])} documents (runs of one non-zero id), more than "
+                     f"max_segments={limit}; raise max_segments (or leave it None: T)")

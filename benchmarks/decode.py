@@ -165,7 +165,7 @@ def _measure(model, p: Point, s: dict, prompt_len: int, cache_len: int, copy_gbp
   K, H, itemsize = cfg.n_kv_head or cfg.n_head, cfg.head_dim, jnp.dtype(cfg.dtype).itemsize
   cache = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(decode.state["cache"])
               if "cache_index" not in jax.tree_util.keystr(path))
-  if cache != decode_report.kv_cache(cfg.n_layer, B, cache_len, K, H, itemsize):
+  if cache != decode_report.kv_cache(cfg.n_layer, decoder.rows, cache_len, K, H, itemsize):  # rows >= B (MIN_GPU_ROWS)
     raise RuntimeError(f"the decoder's cache holds {cache} bytes, not the formula's")
   params = decode_report.param_bytes(decoder.params, cfg)
   per_step = decode_report.step_bytes(params, cfg.n_layer, B, prompt_len, K, H, itemsize)

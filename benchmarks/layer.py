@@ -129,7 +129,7 @@ def _inputs(c: Case):
 
 def _call_options(c: Case, segment_ids=None) -> dict:
   """The case's segment_ids (an array, or a jax.ShapeDtypeStruct for explain) and window, where it has them."""
-  return ({} if c.segments is None else {"segment_ids": segment_ids}) | \
+  return ({} if c.segments is None else {"segment_ids": segment_ids, "max_segments": c.segments}) | \
       ({} if c.window is None else {"window": c.sliding_window})
 
 
@@ -152,7 +152,8 @@ def _program(c: Case):
     graphdef, state = nnx.split(layer)
     x = jax.random.normal(jax.random.key(1), (c.B, c.T, c.N * c.H)).astype(c.dtype)
     def f(state, x, segment_ids=None):
-      return nnx.merge(graphdef, state)(x, segment_ids=segment_ids)
+      bound = {} if c.segments is None else {"max_segments": c.segments}
+      return nnx.merge(graphdef, state)(x, segment_ids=segment_ids, **bound)
     args = (state, x)
   if c.pass_ == "fwd":
     return f, (*args, *data)

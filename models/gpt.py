@@ -37,6 +37,7 @@ class Block(nnx.Module):
     init = nnx.initializers.normal(0.02)
     proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layer))
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    self.max_segments = cfg.max_segments  # bound on documents per packed row (attnlayers max_segments)
     self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     self.attn = MultiHeadAttention(
         cfg.n_head, cfg.d_model, num_kv_heads=cfg.n_kv_head, backend=cfg.backend, is_causal=cfg.causal,
@@ -54,7 +55,8 @@ class Block(nnx.Module):
                segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
     drop = lambda y: self.dropout(y, deterministic=rngs is None, rngs=rngs)
     h = self.ln1(x)
-    x = x + drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids))
+    packed = {} if segment_ids is None or self.max_segments is None else {"max_segments": self.max_segments}
+    x = x + drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids, **packed))
     return x + drop(self.proj(jax.nn.gelu(self.fc(self.ln2(x)))))
 
 

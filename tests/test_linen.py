@@ -118,9 +118,10 @@ def test_the_copy_of_flax_call_follows_the_installed_flax():
   update = f"flax {flax.__version__} changed MultiHeadDotProductAttention.__call__: update the copy in attnlayers/linen.py"
   assert _plain_signature(flax_call) == al.FLAX_CALL_SIGNATURE, update
   assert hashlib.sha256(inspect.getsource(flax_call).encode()).hexdigest() == al.FLAX_CALL_SOURCE_SHA256, update
-  # ours takes exactly Flax's arguments, plus is_causal, lengths (decode calls), segment_ids and sliding_window
+  # ours takes exactly Flax's arguments, plus is_causal, lengths (decode calls), segment_ids, sliding_window
+  # and max_segments
   assert (_plain_signature(al.MultiHeadDotProductAttention.__call__) == al.FLAX_CALL_SIGNATURE[:-1]
-          + ", is_causal=None, lengths=None, segment_ids=None, sliding_window=LAYER_DEFAULT)")
+          + ", is_causal=None, lengths=None, segment_ids=None, sliding_window=LAYER_DEFAULT, max_segments=None)")
 
 
 def _sown(layer, variables, *args, **kwargs):

@@ -35,12 +35,12 @@ def packed(B: int, T: int, seed: int, *, padding_row: bool = True) -> np.ndarray
 
 
 def check(backend, heads, *, T=12, S=None, B=3, masked=False, is_causal=False, window=None, segment_ids=None,
-          q_len=None, kv_len=None, alignment="top-left", seed=0):
+          q_len=None, kv_len=None, alignment="top-left", seed=0, dtype=jnp.float32, head_dim=H, max_segments=None):
   """Outputs and gradients against the reference; exact zeros for queries with no allowed key. Returns that
   (B, T, N) bool."""
   S = T if S is None else S
-  case = dict(heads=heads, causal=is_causal, masked=False, dtype=jnp.float32)
-  q, k, v, dout, _ = cases.inputs(case, B=B, T=T, S=S, H=H, seed=seed)
+  case = dict(heads=heads, causal=is_causal, masked=False, dtype=dtype)
+  q, k, v, dout, _ = cases.inputs(case, B=B, T=T, S=S, H=head_dim, seed=seed)
   mask = None
   if masked:  # random, but each query keeps its own position (T == S): the mask alone empties no row
     mask = jax.random.bernoulli(jax.random.key(seed + 7), 0.6, (B, 1, T, S)) | jnp.eye(T, S, dtype=bool)
@@ -51,8 +51,8 @@ def check(backend, heads, *, T=12, S=None, B=3, masked=False, is_causal=False, w
   def loss(q, k, v):
     out = attnlayers.attention(q, k, v, backend=backend, is_causal=is_causal, mask=mask, window=window,
                                segment_ids=seg, query_seq_lengths=i32(q_len), key_value_seq_lengths=i32(kv_len),
-                               causal_alignment=alignment)
-    return jnp.sum(out * dout), out
+                               causal_alignment=alignment, max_segments=max_segments)
+    return jnp.sum(out.astype(jnp.float32) * dout), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   rule = dict(mask=None if mask is None else np.asarray(mask), is_causal=is_causal, window=window,
@@ -61,13 +61,13 @@ def check(backend, heads, *, T=12, S=None, B=3, masked=False, is_causal=False, w
   qkv = [np.asarray(x, np.float64) for x in (q, k, v)]
   want, p = reference.forward(*qkv, **rule)
   what = f"{backend} {heads} T{T} S{S} causal={is_causal} window={window} segments={segment_ids is not None}"
-  reference.assert_close(out, want, jnp.float32, "out", f"{what} output")
-  for name, got, ref in zip("qkv", grads, reference.gradients(*qkv, np.asarray(dout), **rule)):
-    assert np.isfinite(np.asarray(got)).all(), f"{what} d{name} not finite"
-    reference.assert_close(got, ref, jnp.float32, "grad", f"{what} d{name}")
+  reference.assert_close(out, want, dtype, "out", f"{what} output")
+  for name, got, ref in zip("qkv", grads, reference.gradients(*qkv, np.asarray(dout, np.float64), **rule)):
+    assert np.isfinite(np.asarray(got, np.float32)).all(), f"{what} d{name} not finite"
+    reference.assert_close(got, ref, dtype, "grad", f"{what} d{name}")
   empty = p.sum(-1).transpose(0, 2, 1) == 0  # (B, T, N)
-  np.testing.assert_array_equal(np.asarray(out)[empty], 0.0, err_msg=f"{what}: output of a query with no key")
-  np.testing.assert_array_equal(np.asarray(grads[0])[empty], 0.0, err_msg=f"{what}: dq of a query with no key")
+  np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0, err_msg=f"{what}: output of a query with no key")
+  np.testing.assert_array_equal(np.asarray(grads[0], np.float32)[empty], 0.0, err_msg=f"{what}: dq of a query with no key")
   return empty
 
 
@@ -209,3 +209,33 @@ def test_a_row_the_mask_empties_outputs_zero(backend):
   for got, ref in zip(grads, reference.gradients(*qkv, np.asarray(dout), mask=np.asarray(mask))):
     assert np.isfinite(np.asarray(got)).all()
     reference.assert_close(got, ref, jnp.float32, "grad")
+
+
+def test_packed_layout_relabels_runs_and_flags_ids_it_cannot_hold():
+  """backends/_packing.runs: what te's THD layout receives (run ids 1, 2, ..., positions in the run) and which
+  rows it can hold (each document one run, ids increasing, at most max_segments runs)."""
+  from attnlayers.backends import _packing
+  ids = np.array([[7, 7, 0, 9, 9, 9, 0, 0],   # gaps in ids, padding between and after: fine
+                  [1, 1, 2, 2, 1, 1, 0, 0],   # document 1 split in two runs: not holdable
+                  [3, 3, 3, 2, 2, 0, 0, 0],   # ids fall: not holdable
+                  [1, 2, 3, 4, 5, 6, 7, 8]])  # eight one-token documents: more than max_segments=4
+  rid, pos, ok = (np.asarray(x) for x in _packing.runs(jnp.asarray(ids), max_segments=4))
+  np.testing.assert_array_equal(rid[0], [1, 1, 0, 2, 2, 2, 0, 0])
+  np.testing.assert_array_equal(pos[0], [0, 1, 0, 0, 1, 2, 0, 0])
+  np.testing.assert_array_equal(ok, [True, False, False, False])
+  np.testing.assert_array_equal(attnlayers.spec.count_runs(ids), [2, 3, 2, 8])
+
+
+@pytest.mark.parametrize("bad, message", [(0, "int >= 1"), (2.5, "int >= 1"), (True, "int >= 1")])
+def test_bad_max_segments_raise(bad, message):
+  q = jnp.zeros((2, 6, 2, H))
+  with pytest.raises(ValueError, match=message):
+    attnlayers.attention(q, q, q, backend="xla", segment_ids=jnp.ones((2, 6), jnp.int32), max_segments=bad)
+
+
+def test_max_segments_needs_segment_ids_and_bounds_concrete_ids():
+  q = jnp.zeros((1, 6, 2, H))
+  with pytest.raises(ValueError, match="pass segment_ids"):
+    attnlayers.attention(q, q, q, backend="xla", max_segments=2)
+  with pytest.raises(ValueError, match="row 0 holds 3 documents"):
+    attnlayers.attention(q, q, q, backend="xla", segment_ids=jnp.array([[1, 1, 2, 2, 3, 3]]), max_segments=2)

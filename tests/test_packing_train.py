@@ -78,6 +78,15 @@ def test_rows_reproduce_the_stream_with_every_document_short_ones_too():
   starts = np.flatnonzero(pos.reshape(-1) == 0)  # a document start or a row start, nothing else
   assert set(starts) == set(range(0, n, 256)) | set(ds.packed.starts[0][ds.packed.starts[0] < n])
   assert (np.diff(seg, axis=1) >= 0).all() and (seg[:, 0] == 1).all()
+  assert ds.packed.max_segments() == seg.max()  # the bound the kernels get: the most documents in any row
+
+
+def test_max_segments_counts_the_documents_of_the_fullest_row():
+  p = packing.from_texts(texts(b"abc", b"defgh", b"ij", b"klmnopqrstu"), T)
+  seg = p.rows(range(p.n_rows))[2]
+  assert p.max_segments() == seg.max() >= 2
+  shards = packing.from_shards([np.array([5, 50256, 7, 50256, 8, 50256, 9, 10, 11, 12], np.uint16)] * 2, 4)
+  assert shards.max_segments() == shards.rows(range(shards.n_rows))[2].max()
 
 
 def test_packed_batches_depend_only_on_seed_and_step():

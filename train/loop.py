@@ -339,8 +339,9 @@ def attention_plans(cfg: models.GPTConfig, batch_size: int, pack: bool) -> list[
   kv = jax.ShapeDtypeStruct((batch_size, cfg.seq_len, cfg.n_kv_head or cfg.n_head, cfg.head_dim), dt)  # (B, S, K, H)
   ids = jax.ShapeDtypeStruct((batch_size, cfg.seq_len), jnp.int32) if pack else None  # (B, T)
   windows = dict.fromkeys(cfg.layer_window(i) for i in range(cfg.n_layer))
+  bound = {"max_segments": cfg.max_segments} if pack and cfg.max_segments else {}
   return [attnlayers.explain(cfg.backend, q, kv, kv, is_causal=cfg.causal, fp8_core=cfg.fp8_core, segment_ids=ids,
-                             window=w) for w in windows]
+                             window=w, **bound) for w in windows]
 
 
 def _check_attention(cfg: TrainConfig) -> None:
@@ -399,6 +400,9 @@ def run(cfg: TrainConfig) -> dict:
     _check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. its segment ids)
     ckpts, out = _open_outputs(cfg, stack)
     dataset = _load_data(cfg)
+    if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
+      cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
+      _check_attention(cfg)
     if cfg.batch_size % jax.device_count():
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
     mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))  # XLA SPMD partitions

@@ -54,6 +54,16 @@ class Packed:
   def n_rows(self) -> int:
     return int(self.row_ends[-1]) if len(self.row_ends) else 0
 
+  def max_segments(self) -> int:
+    """The most documents any row holds (a document cut by a row's start counts in that row too)."""
+    most = 0
+    for i, starts in enumerate(self.starts):
+      n = int(self.row_ends[i] - (self.row_ends[i - 1] if i else 0))
+      first = np.arange(n, dtype=np.int64) * self.seq_len  # (rows,) each row's first input offset
+      inside = np.searchsorted(starts, first + self.seq_len) - np.searchsorted(starts, first, side="right")
+      most = max(most, int(inside.max(initial=0)) + 1)
+    return most
+
   def rows(self, ids) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(inputs, targets, segment_ids, positions) of rows `ids` (global row numbers), each int32 (len(ids), T)."""
     T = self.seq_len

@@ -87,7 +87,9 @@ def rows(opts: Options, B: int, T: int, S: int):
   t, p, q_len, kv_len = _positions(opts, B, T, S)
   lo, hi = _key_range(opts, p, kv_len)  # (B, T)
   valid = (t < q_len) & (lo <= hi)
-  if opts.has_segments:  # some key of the query's own document in [lo, hi] (a reduction XLA fuses)
+  if opts.shared_segments and not opts.has_lengths:  # T == S, p = t: the query's own key is in [lo, hi]
+    valid &= segment_ids(opts)[0] != 0
+  elif opts.has_segments:  # some key of the query's own document in [lo, hi] (a reduction XLA fuses)
     q_ids, kv_ids = segment_ids(opts)
     s = jnp.arange(S, dtype=jnp.int32)[None, None, :]  # (1, 1, S)
     same = (q_ids[:, :, None] == kv_ids[:, None, :]) & (s >= lo[:, :, None]) & (s <= hi[:, :, None])

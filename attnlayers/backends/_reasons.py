@@ -58,11 +58,10 @@ def fused_only(call: Call, name: str, *, exact_half_products: bool) -> list[str]
   return reasons
 
 
-def no_segments_or_window(call: Call, name: str) -> list[str]:
-  """For kernels that do not take segment ids or a sliding window yet: the refusal, per feature."""
+def no_segments_or_window(call: Call, name: str, others: str = "'xla' and 'naive' run them exactly") -> list[str]:
+  """For kernels that take no segment ids or sliding window: the refusal, per feature."""
   asked = [what for what, on in (("segment ids (packed documents)", call.segments),
                                  (f"a sliding window {call.window}", call.window is not None)) if on]
   if not asked:
     return []
-  return [f"{name} does not run {' or '.join(asked)} yet (it would have to skip the other documents' and the "
-          "out-of-window blocks, not only mask them); 'xla' and 'naive' run them exactly"]
+  return [f"{name} does not run {' or '.join(asked)}; {others}"]

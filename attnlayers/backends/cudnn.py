@@ -10,6 +10,13 @@ with its top-left causal mask where asked. jax exposes no bottom-right causal ma
 one-query call (a decode step) needs none, since its query sees every real key; a longer
 query block at the end of the keys (a prefill chunk into a KV cache) runs with the rule as a
 (B, 1, T, S) mask, which explain() says.
+
+A causal sliding window (left, right) goes to cuDNN's band as local_window_size=(left, 0) (the
+causal mask cuts the right side), so blocks outside it are skipped. jax's cuDNN path has no
+right bound: a non-causal window raises there, or (left, 0) without is_causal silently attends
+to later keys (jax PR #39576), so non-causal windows are refused, as are windows that need a
+per-row alignment (bottom-right, lengths with a mask). Segment ids are refused: jax exposes
+cuDNN's packed layout only in a private module; backend='te' runs them packed.
 """
 
 from __future__ import annotations
@@ -44,7 +51,24 @@ def unmet(call: Call) -> list[str]:
     why = " (bottom-right causal or lengths with a mask become one)" if _as_mask(call) else ""
     reasons.append(f"cuDNN with a mask or bias{why} needs even T and S (its backward pass requires it); "
                    f"got T={call.T}, S={call.S}")
-  return reasons + _reasons.fused_only(call, NAME, exact_half_products=True) + _reasons.no_segments_or_window(call, NAME)
+  return reasons + _reasons.fused_only(call, NAME, exact_half_products=True) + _window_reasons(call)
+
+
+def _window_reasons(call: Call) -> list[str]:
+  reasons = []
+  if call.segments:
+    reasons.append("cuDNN through jax takes no segment ids (jax keeps cuDNN's packed layout private); backend='te' "
+                   "runs packed documents in its THD layout, 'xla' and 'naive' with a mask")
+  if call.window is None:
+    return reasons
+  if not call.is_causal:
+    reasons.append(f"cuDNN through jax runs only causal sliding windows: it has no right bound, and a non-causal "
+                   f"window {call.window} either raises in jax or attends to later keys (jax PR #39576); "
+                   "backend='te' takes (left, right) windows")
+  elif call.bottom_right or _as_mask(call):
+    reasons.append("cuDNN's sliding window is aligned top-left; bottom-right causality (a KV cache) or lengths "
+                   "together with a mask need another alignment: backend='te' or 'xla'")
+  return reasons
 
 
 def _as_mask(call) -> bool:
@@ -60,9 +84,10 @@ def notes(call: Call) -> list[str]:
             "causal mask, nor lengths together with a bias"]
   if call.bottom_right:  # T == 1
     return ["one query at the end of its keys: cuDNN's padding mask (key_value_seq_lengths) alone"]
+  window = [f"sliding window: cuDNN's band, local_window_size=({call.window[0]}, 0)"] if call.window else []
   if call.has_lengths:
-    return ["cuDNN padding mask from query_seq_lengths / key_value_seq_lengths" + (", causal top-left" if call.is_causal else "")]
-  return []
+    return ["cuDNN padding mask from query_seq_lengths / key_value_seq_lengths" + (", causal top-left" if call.is_causal else "")] + window
+  return window
 
 
 def _full_ts(x, T: int, S: int):
@@ -81,14 +106,15 @@ def run(q, k, v, opts: Options):
                                        scale=opts.scale, implementation="cudnn")
     return _masks.finish(out, opts, S)
   mask = None if opts.mask is None else _full_ts(opts.mask, T, S)
+  window = None if opts.window is None else (opts.window[0], 0)  # causal (unmet): the right side is cut at p
   if not opts.has_lengths and not bottom_right:
-    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=opts.scale,
-                                       is_causal=opts.is_causal, implementation="cudnn")
-    return out if opts.mask is None else _masks.finish(out, opts, S)  # rows the mask empties: zeros
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=opts.scale, is_causal=opts.is_causal,
+                                       local_window_size=window, implementation="cudnn")
+    return out if opts.mask is None and window is None else _masks.finish(out, opts, S)  # rows the mask empties: zeros
   q_len, kv_len = _masks.lengths(opts, B, T, S)  # T == 1 bottom-right: its query sees every real key
   padded = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, scale=opts.scale,
-      is_causal=opts.is_causal and not bottom_right, implementation="cudnn")
+      is_causal=opts.is_causal and not bottom_right, local_window_size=window, implementation="cudnn")
   out = _forward_only(padded, q, k, v) if T == 1 else padded(q, k, v)
   return _masks.finish(out, opts, S)
 

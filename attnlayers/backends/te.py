@@ -11,7 +11,13 @@ number where it is False), added to any bias of the call. That bias keeps its ba
 
 Per-row lengths go in TE's SequenceDescriptor with its PADDING mask types, bottom-right
 causality as TE's CAUSAL_BOTTOM_RIGHT masks; a single query at the end of its keys (a
-decode step) needs no causal mask, only the padding one.
+decode step) needs no causal mask, only the padding one (unless a window needs the alignment).
+
+A sliding window is TE's window_size (left, right), cut to (left, 0) with a causal mask (cuDNN's
+right bound would replace the causal one). Packed documents (one segment_ids array shared by
+queries and keys) run in TE's packed THD layout: each document its own sequence, described by
+run ids and positions (backends/_packing), PADDING(_CAUSAL) masks, max_segments sequences per row,
+so the kernel skips the other documents' blocks rather than masking them.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import types
 
 import jax.numpy as jnp
 
-from attnlayers.backends import _masks, _reasons
+from attnlayers.backends import _masks, _packing, _reasons
 from attnlayers.spec import Call, Options
 
 NAME = "te"
@@ -35,8 +41,8 @@ def _te():
 
 def _mask_type(te, call):
   """TE's mask type for a call (a Call, or _shape_of's stand-in): padding where there are lengths."""
-  one_query_at_end = call.bottom_right and call.T == 1  # it sees every real key: padding alone
-  padding = call.has_lengths or one_query_at_end
+  one_query_at_end = call.bottom_right and call.T == 1 and call.window is None  # it sees every real key
+  padding = call.has_lengths or one_query_at_end or call.segments  # THD takes padding masks only
   if not call.is_causal or one_query_at_end:
     return te.AttnMaskType.PADDING_MASK if padding else te.AttnMaskType.NO_MASK
   name = ("PADDING_" if padding else "") + "CAUSAL" + ("_BOTTOM_RIGHT" if call.bottom_right else "") + "_MASK"
@@ -47,7 +53,23 @@ def _shape_of(q, k, opts: Options):
   """What _mask_type reads, from the arrays and options of a run."""
   (B, T), S = q.shape[:2], k.shape[1]
   return types.SimpleNamespace(is_causal=opts.is_causal, bottom_right=_masks.bottom_right(opts, T, S),
-                               has_lengths=opts.has_lengths, T=T)
+                               has_lengths=opts.has_lengths, T=T, S=S, window=opts.window, segments=opts.has_segments)
+
+
+def _layout(te, call):
+  return te.QKVLayout.THD_THD_THD if call.segments else te.QKVLayout.BSHD_BSHD_BSHD
+
+
+def _window_size(call):
+  """TE's window_size: (left, right) with -1 for a side that spans every key, right 0 under a causal mask."""
+  if call.window is None:
+    return None
+  left, right = call.window
+  return (-1 if left >= call.S else left, 0 if call.is_causal else -1 if right >= call.S else right)
+
+
+def _max_segments(call) -> int:
+  return call.max_segments or call.T
 
 
 def _bias_type(te, has_bias: bool):
@@ -78,38 +100,81 @@ def unmet(call: Call, name: str = NAME) -> list[str]:
   what = "TransformerEngine fused attention"
   reasons = _reasons.nvidia_gpu(call.device, MIN_CC, what) + _reasons.transformer_engine(what)
   reasons += _reasons.half_precision(call, what) + _reasons.fused_only(call, name, exact_half_products=True)
-  reasons += _reasons.no_segments_or_window(call, name)
+  reasons += _segment_reasons(call, name)
   if reasons:
     return reasons
   te = _te()
   has_bias = call.mask_shape is not None or call.bias_shape is not None
+  packed = {"max_segments_per_seq": _max_segments(call)} if call.segments else {}
   available = te.is_fused_attn_kernel_available(
-      True, call.B, call.dtype, call.dtype, te.QKVLayout.BSHD_BSHD_BSHD, _bias_type(te, has_bias),
+      True, call.B, call.dtype, call.dtype, _layout(te, call), _bias_type(te, has_bias),
       _mask_type(te, call), te.AttnSoftmaxType.VANILLA_SOFTMAX, 0.0, call.N, call.K, call.T, call.S,
-      call.H, call.H, **(_bias_dims(call) if has_bias else {}))
+      call.H, call.H, window_size=_window_size(call), **(_bias_dims(call) if has_bias else {}), **packed)
   if not available:
     with_bias = " with a mask/bias (as a post-scale bias)" if has_bias else ""
-    reasons.append(f"TransformerEngine has no fused kernel for {call.shape_str()} {_mask_type(te, call).name}{with_bias} "
-                   "on this GPU and cuDNN (is_fused_attn_kernel_available is False)")
+    how = f" {_layout(te, call).name} window_size={_window_size(call)}" if call.segments or call.window else ""
+    reasons.append(f"TransformerEngine has no fused kernel for {call.shape_str()} {_mask_type(te, call).name}{with_bias}"
+                   f"{how} on this GPU and cuDNN (is_fused_attn_kernel_available is False)")
+  return reasons
+
+
+def _segment_reasons(call: Call, name: str) -> list[str]:
+  """What the packed (THD) layout cannot express of a call with segment ids."""
+  if not call.segments:
+    return []
+  reasons = []
+  if not call.shared_segments:
+    reasons.append(f"{name} runs packed documents from one segment_ids array shared by queries and keys "
+                   "(self-attention); a (q, kv) pair runs on 'xla' or 'naive'")
+  if call.has_lengths:
+    reasons.append(f"{name} takes segment ids without lengths: mark the padding with segment id 0 instead")
+  if call.bottom_right:
+    reasons.append(f"{name}'s packed layout aligns a bottom-right causal mask per document, not per row; "
+                   "use top-left causality with segment ids")
+  if call.mask_shape is not None or call.bias_shape is not None:
+    reasons.append(f"{name}'s packed layout takes no mask or bias besides the segment ids")
   return reasons
 
 
 def notes(call: Call) -> list[str]:
-  if call.has_lengths or call.bottom_right:
-    return [f"TE mask type {_mask_type(_te(), call).name} with a SequenceDescriptor of the lengths"]
-  return []
+  te, out = _te(), []
+  if call.segments:
+    out.append(f"packed documents: TE's THD layout, {_mask_type(te, call).name}, max_segments_per_seq="
+               f"{_max_segments(call)} (each row's runs of one id, increasing along the row; other rows NaN)")
+  elif call.has_lengths or call.bottom_right:
+    out.append(f"TE mask type {_mask_type(te, call).name} with a SequenceDescriptor of the lengths")
+  if call.window is not None:
+    out.append(f"sliding window: TE window_size={_window_size(call)}")
+  return out
 
 
 def run(q, k, v, opts: Options):
   te = _te()
   (B, T, N, _), S = q.shape, k.shape[1]
+  call = _shape_of(q, k, opts)
+  if opts.has_segments:
+    return _run_packed(te, q, k, v, opts, call)
   # A row with no queries or no keys gets length 1 here: TE's backward gives NaN dk for such rows (measured,
   # TE 2.20.2 MHA). finish() zeroes that row's outputs, so its gradients are exactly zero as the rule says.
   lengths = te.SequenceDescriptor.from_seqlens(tuple(jnp.maximum(x, 1) for x in _masks.lengths(opts, B, T, S)))
   bias = _as_bias(opts.mask, opts.bias, N, T, S, q.dtype)  # (1|B, N, T, S) or None
   out = te.fused_attn(
       (q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, bias is not None),
-      attn_mask_type=_mask_type(te, _shape_of(q, k, opts)), qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD,
+      attn_mask_type=_mask_type(te, call), qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD,
       softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX, scaling_factor=opts.scale, dropout_probability=0.0,
-      is_training=True)
+      is_training=True, window_size=_window_size(call))
   return _masks.finish(out, opts, S)
+
+
+def _run_packed(te, q, k, v, opts: Options, call):
+  """Segment ids (one array, T == S) as TE's THD descriptor of run ids and positions in the run."""
+  M = opts.max_segments or q.shape[1]
+  rid, pos, ok = _packing.runs(opts.q_segment_ids, M)  # (B, T), (B, T), (B,)
+  _packing.check_concrete(ok, NAME)
+  desc = te.SequenceDescriptor.from_segment_ids_and_pos(rid, pos)
+  out = te.fused_attn(
+      (q, k, v), None, desc, None, attn_bias_type=te.AttnBiasType.NO_BIAS, attn_mask_type=_mask_type(te, call),
+      qkv_layout=te.QKVLayout.THD_THD_THD, softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX,
+      scaling_factor=opts.scale, dropout_probability=0.0, is_training=True, max_segments_per_seq=M,
+      window_size=_window_size(call))
+  return _packing.poison(_masks.finish(out, opts, k.shape[1]), ok)

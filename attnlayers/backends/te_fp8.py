@@ -38,6 +38,8 @@ def fp8_core_unmet(call: Call) -> list[str]:
   if call.has_lengths or call.bottom_right:
     reasons.append("cuDNN FP8 attention takes no per-row lengths or bottom-right causal mask (decode-shaped calls); "
                    "fp8_core='fp8-or-bf16' runs those on TransformerEngine's bf16 kernel")
+  reasons += _reasons.no_segments_or_window(call, "cuDNN FP8 attention", others="fp8_core='fp8-or-bf16' runs them "
+                                            "on TransformerEngine's bf16 kernel (as backend='te' does)")
   if not _reasons.is_default_precision(call.precision):
     reasons.append(f"the FP8 core quantises q, k, v and P to E4M3, so it cannot apply precision={call.precision}")
   return reasons
@@ -50,7 +52,6 @@ def _runs_fp8(call: Call) -> bool:
 def unmet(call: Call) -> list[str]:
   reasons = requirements(call.device) + _reasons.half_precision(call, "te-fp8")
   reasons += _reasons.fused_only(call, NAME, exact_half_products=True)  # no weights or dropout, either core
-  reasons += _reasons.no_segments_or_window(call, NAME)
   if reasons:
     return reasons
   if call.fp8_core == "fp8" and (why := fp8_core_unmet(call)):
