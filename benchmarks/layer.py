@@ -283,6 +283,8 @@ def main(argv=None) -> None:
   p.add_argument("--levels", nargs="+", choices=["core", "layer"], default=["core", "layer"],
                  help="core: attnlayers.attention; layer: the nnx layer, projections + core")
   p.add_argument("--calls", type=int, help="timed calls per row (default 20; 3 with --quick)")
+  p.add_argument("--backends", nargs="+", choices=[b for b, _ in BACKEND_DTYPES] + list(RAW),
+                 help="only these backends' rows (default: every one)")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   p.add_argument("--merge", nargs="+", metavar="LAYER_JSON",
                  help="times nothing: writes one report from earlier runs' layer.json (e.g. one per --sections)")
@@ -300,7 +302,8 @@ def main(argv=None) -> None:
   calls, warmup = (a.calls or (3 if a.quick else 20)), (1 if a.quick else 3)
   matmul = common.matmul_tflops(n=1024 if a.quick else 8192, calls=3 if a.quick else 20)
   env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": 1024 if a.quick else 8192}
-  cases = plan(a.quick, a.sections, a.seqs, a.batches, tuple(a.levels))
+  cases = [c for c in plan(a.quick, a.sections, a.seqs, a.batches, tuple(a.levels))
+           if a.backends is None or c.backend in a.backends]
   rows, reference = [], {}
   for c in tqdm(cases, unit="row"):
     ref = None

@@ -24,18 +24,29 @@ import models
 from benchmarks import common, report
 
 
+PACKINGS = ("unpacked", "packed")
+PACK_NOTE = ("`packing`: unpacked windows of one text, or packed documents (train --pack: segment ids stop "
+             "attention at document boundaries); neither pads, so tokens_per_s counts only real tokens. "
+             "`vs_unpacked`: tokens_per_s over the unpacked run's of the same backend and shape. `val_loss`: at the "
+             "last step, on the same unpacked held-out windows for both.")
 FP8_CORE = "fp8-or-bf16"  # te-fp8 rows: FP8 core where the model's head dim qualifies, else bf16
 COLUMN_NOTE = ("`mfu`: nanoGPT/PaLM model FLOPs (6N + 12·L·n_head·head_dim·T per token, full attention square "
                "even for causal) over the datasheet dense bf16 peak. `vs_matmul`: the same model FLOP/s over a "
                "bf16 matmul of size `matmul_n`³ timed by this benchmark's parent process after the runs.")
 
 
-def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int, timeout_s: float) -> dict:
-  """One `python -m train` process per run, so compilation caches and peak memory are its own."""
-  row = {"backend": backend, "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "steps": steps}
+def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int, timeout_s: float,
+            packing: str = "unpacked", data: str | None = None, evaluate: bool = False) -> dict:
+  """One `python -m train` process per run, so compilation caches and peak memory are its own. Packed runs
+  (train --pack) are validated, at their last step, on the same unpacked windows as unpacked ones."""
+  row = {"backend": backend, "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "steps": steps,
+         "packing": packing}
   cmd = [sys.executable, "-m", "train", "--attn", backend, "--preset", preset, "--seq-len", str(seq_len),
          "--batch-size", str(batch_size), "--steps", str(steps), "--warmup", str(min(10, steps)),
-         "--eval-every", "0", "--log-every", str(max(1, steps // 6)), "--sample-tokens", "0", "--no-progress", "--no-ckpt"]
+         "--eval-every", str(steps if evaluate else 0),
+         "--log-every", str(max(1, steps // 6)), "--sample-tokens", "0", "--no-progress", "--no-ckpt"]
+  cmd += ["--pack"] if packing == "packed" else []
+  cmd += ["--data", data] if data else []
   if backend == "te-fp8":
     cmd += ["--fp8-core", FP8_CORE]
     row["fp8_core"] = FP8_CORE
@@ -55,7 +66,7 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
                 "mfu": s["mfu"], "model_tflops": model_flops / 1e12,
                 "time_to_first_step_s": s["time_to_first_step_s"],
                 "peak_memory_gib": s["peak_memory_bytes"] and s["peak_memory_bytes"] / 2**30,
-                "final_loss": s["final_loss"]}
+                "final_loss": s["final_loss"], "val_loss": s.get("final_val_loss")}
 
 
 def _reasons(stderr: str) -> str:
@@ -63,8 +74,8 @@ def _reasons(stderr: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  cols = ["backend", "fp8_core", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s", "mfu", "vs_matmul",
-          "time_to_first_step_s", "peak_memory_gib", "final_loss"]
+  cols = ["backend", "fp8_core", "packing", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s",
+          "vs_unpacked", "mfu", "vs_matmul", "time_to_first_step_s", "peak_memory_gib", "final_loss", "val_loss"]
   reasons = [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
   return report.markdown_table(rows, cols) + "\n" + "\n".join(reasons)
 
@@ -77,6 +88,10 @@ def main(argv=None) -> None:
   p.add_argument("--batch-size", type=int, nargs="+", default=[32],
                  help="global batch; one value for every --seq-len, or one per --seq-len")
   p.add_argument("--steps", type=int, default=40)
+  p.add_argument("--packing", nargs="+", choices=PACKINGS, default=["unpacked"],
+                 help="unpacked windows, packed documents (train --pack), or both side by side; with packed, every "
+                      "run reports val_loss at its last step (the same unpacked windows in both modes)")
+  p.add_argument("--data", help="train --data (default: the embedded corpus)")
   p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
   p.add_argument("--matmul-n", type=int, default=8192, help="size of the same-run matmul yardstick (n^3)")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
@@ -87,26 +102,32 @@ def main(argv=None) -> None:
   rows = []
   for seq_len, batch_size in zip(a.seq_len, batches):
     for backend in a.backends:
-      rows.append(run_one(backend, a.preset, seq_len, batch_size, a.steps, a.run_timeout))
-      print(json.dumps(rows[-1]), flush=True)
+      for packing in a.packing:
+        rows.append(run_one(backend, a.preset, seq_len, batch_size, a.steps, a.run_timeout, packing, a.data,
+                            evaluate="packed" in a.packing))
+        print(json.dumps(rows[-1]), flush=True)
   # after the runs: this process takes the GPU only once the children have let it go
   matmul = common.matmul_tflops(n=a.matmul_n)
   env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": a.matmul_n}
   for r in rows:
     if r["status"] == "ok":
       r["vs_matmul"] = r["model_tflops"] / matmul
+      unpacked = [u for u in rows if u["status"] == "ok" and u["packing"] == "unpacked"
+                  and all(u[k] == r[k] for k in ("backend", "seq_len", "batch_size"))]
+      if r["packing"] == "packed" and unpacked:
+        r["vs_unpacked"] = r["tokens_per_s"] / unpacked[0]["tokens_per_s"]
   print(json.dumps(env), flush=True)
   os.makedirs(a.out, exist_ok=True)
   report.write_json(os.path.join(a.out, "train.json"), env, rows)
   report.write_csv(os.path.join(a.out, "train.csv"), rows)
   plots = []
   for seq_len in a.seq_len:
-    sel = [r | {"dtype": f"T{seq_len}"} for r in rows if r["seq_len"] == seq_len]
+    sel = [r | {"dtype": f"T{seq_len} {r['packing']}"} for r in rows if r["seq_len"] == seq_len]
     name = f"train_T{seq_len}_tokens_per_s.png"
     report.bar_plot(os.path.join(a.out, name), sel, y="tokens_per_s", title=f"{a.preset}, T={seq_len}: tokens/s")
     plots.append(name)
   with open(os.path.join(a.out, "train.md"), "w") as f:
-    f.write(f"# Training benchmarks\n\n{env}\n\n{COLUMN_NOTE}\n\n" + table(rows) + "\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n")
+    f.write(f"# Training benchmarks\n\n{env}\n\n{COLUMN_NOTE}\n\n{PACK_NOTE}\n\n" + table(rows) + "\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n")
   print(table(rows))
 
 

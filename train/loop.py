@@ -173,6 +173,7 @@ class Session:
   throughput: metrics.Throughput  # steps/s between reports
   stop: signals.StopRequests  # SIGINT/SIGTERM received, if any
   start: int  # the step the run resumed from (0 = fresh)
+  val_loss: dict = dataclasses.field(default_factory=dict)  # step -> validation loss, this process's evaluations
 
 
 def _open_outputs(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[checkpoint.Checkpoints | None,
@@ -245,7 +246,7 @@ def _report(s: Session, step: int, state: dict, loss_arr, bar, *, evaluate: bool
   record = {"step": step, "loss": loss, "lr": float(s.model.lr_at(step - 1))}
   record |= s.throughput.interval(step)
   if evaluate:
-    record["val_loss"] = _validate(s, state)
+    record["val_loss"] = s.val_loss[step] = _validate(s, state)
     if jax.process_index() == 0:
       tqdm.write(f"step {step}: loss {loss:.4f}, val_loss {record['val_loss']:.4f}")
   if save:
@@ -362,6 +363,7 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
   steps_per_s = s.throughput.steady_steps_per_s()
   summary = {
       "event": "summary", "steps": cfg.steps, "final_loss": loss, "params": s.model.n_params,
+      "final_val_loss": s.val_loss[max(s.val_loss)] if s.val_loss else None,
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
       "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
