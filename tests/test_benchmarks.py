@@ -136,6 +136,16 @@ def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
   assert "| xla |" in md and "PaLM" in md  # the MFU convention is named beside the table
 
 
+def test_train_benchmark_runs_packed_beside_unpacked_with_the_same_validation(tmp_path):
+  run("benchmarks.train", "--preset", "tiny", "--backends", "xla", "--packing", "unpacked", "packed", "--steps", "4",
+      "--batch-size", "4", "--seq-len", "32", "--matmul-n", "256", "--out", str(tmp_path))
+  rows = {r["packing"]: r for r in json.load(open(tmp_path / "train.json"))["rows"]}
+  assert rows["unpacked"]["status"] == rows["packed"]["status"] == "ok", rows
+  assert rows["packed"]["vs_unpacked"] == pytest.approx(rows["packed"]["tokens_per_s"] / rows["unpacked"]["tokens_per_s"])
+  assert all(math.isfinite(r["val_loss"]) and r["val_loss"] != r["final_loss"] for r in rows.values())
+  assert "vs_unpacked" in (tmp_path / "train.md").read_text()
+
+
 
 def _decode_params_bytes(cfg) -> int:
   """Bytes of the parameters a decode step reads, counted from the model's structure: all but the position table."""
