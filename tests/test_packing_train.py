@@ -178,28 +178,7 @@ def test_model_refuses_packing_arguments_it_cannot_use():
 # --- the trainer
 
 
-BAD_FLAGS = {
-    "window-0": (["--window", "0"], "argument --window: must be >= 1, got 0"),
-    "window-negative": (["--window", "-3"], "argument --window: must be >= 1, got -3"),
-    "pattern-without-window": (["--window-pattern", "local,global"], "give window (tokens per window) too"),
-    "pattern-unknown-word": (["--window", "8", "--window-pattern", "local,dense"],
-                             "window_pattern must list 'local' or 'global' per layer"),
-    "backend-cannot-run": (["--pack", "--window", "8", "--attn", "cudnn", "--dtype", "bfloat16"],
-                           "backend 'cudnn' cannot run"),  # on a CPU for that alone; checked before any work
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_FLAGS))
-def test_bad_packing_or_window_flag_exits_2_before_building_anything(tmp_path, case, capsys, monkeypatch):
-  def never(*args, **kwargs):
-    raise AssertionError("got as far as loading data or building the model")
-  monkeypatch.setattr(data, "load", never)
-  monkeypatch.setattr(loop, "build", never)
-  args, message = BAD_FLAGS[case]
-  with pytest.raises(SystemExit) as e:
-    cli.main([*TINY, "--steps", "2", "--ckpt-dir", str(tmp_path / "c"), *args])
-  err = capsys.readouterr().err
-  assert e.value.code == 2 and message in err, err
+# Bad --pack / --window flags exit 2 before any work: tests/test_train_faults.py BAD_FLAGS.
   assert not (tmp_path / "c").exists()
 
 

@@ -274,6 +274,11 @@ def _read_only_dir(tmp_path):
 
 
 BAD_FLAGS = {
+    "window-0": (lambda d: ["--window", "0"], "argument --window: must be >= 1, got 0"),
+    "window-negative": (lambda d: ["--window", "-3"], "argument --window: must be >= 1, got -3"),
+    "pattern-without-window": (lambda d: ["--window-pattern", "local,global"], "give window (tokens per window) too"),
+    "pattern-unknown-word": (lambda d: ["--window", "8", "--window-pattern", "local,dense"],
+                             "window_pattern must list 'local' or 'global' per layer"),
     "batch-size-0": (lambda d: ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
     "batch-size-neg": (lambda d: ["--batch-size", "-4"], "argument --batch-size: must be >= 1, got -4"),
     "seq-len-0": (lambda d: ["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
