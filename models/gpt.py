@@ -109,7 +109,7 @@ class GPT(nnx.Module):
       if ids is not None and (tuple(ids.shape) != (B, T) or not jnp.issubdtype(ids.dtype, jnp.integer)):
         raise ValueError(f"{name} must be an int array of the tokens' shape (B, T) = {(B, T)}; "
                          f"got {ids.dtype} of shape {tuple(ids.shape)}")
-    if positions is not None and not isinstance(positions, jax.core.Tracer):  # known: check (traced: NaN rows)
+    if positions is not None and not isinstance(positions, jax.core.Tracer):  # known: check (traced: unchecked)
       lo, hi = int(np.min(positions)), int(np.max(positions))
       if lo < 0 or hi >= self.cfg.seq_len:
         raise ValueError(f"positions must lie in [0, seq_len={self.cfg.seq_len}); got values in [{lo}, {hi}]")

@@ -189,3 +189,21 @@ def test_nnx_layer_packed_on_te_equals_xla():
                                sliding_window=(32, 0), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     out[backend] = np.asarray(layer(x, segment_ids=ids), np.float32)
   np.testing.assert_allclose(out["te"], out["xla"], atol=2e-2, rtol=2e-2)
+
+
+@needs_te
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_te_window_with_more_queries_than_keys_runs_exactly_or_is_refused(causal):
+  """T > S, top-left: a left side as wide as S still cuts queries past it, so it is no 'unbounded' side."""
+  q, k, v = cases.inputs(dict(heads="GQA", causal=causal, masked=False, dtype=jnp.bfloat16), B=2, T=256, S=128, H=64)[:3]
+  plan = attnlayers.explain("te", q, k, v, is_causal=causal, window=(128, 0))
+  if plan.ok:
+    check("te", "GQA", T=256, S=128, B=2, window=(128, 0), is_causal=causal, dtype=jnp.bfloat16, head_dim=64)
+  else:
+    assert any("is_fused_attn_kernel_available" in r for r in plan.unmet["te"]), str(plan)
+
+
+@needs_te
+def test_te_segments_in_any_id_order_match_reference():
+  ids = np.repeat([[5, 2, 9, 0]], 32, axis=0).T.reshape(1, 128).repeat(3, axis=0)  # ids fall and rise; a padding tail
+  check("te", "MQA", segment_ids=ids.astype(np.int32), is_causal=True, **BF16)

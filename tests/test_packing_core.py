@@ -213,16 +213,17 @@ def test_a_row_the_mask_empties_outputs_zero(backend):
 
 def test_packed_layout_relabels_runs_and_flags_ids_it_cannot_hold():
   """backends/_packing.runs: what te's THD layout receives (run ids 1, 2, ..., positions in the run) and which
-  rows it can hold (each document one run, ids increasing, at most max_segments runs)."""
+  rows it can hold (each document one run, at most max_segments runs)."""
   from attnlayers.backends import _packing
   ids = np.array([[7, 7, 0, 9, 9, 9, 0, 0],   # gaps in ids, padding between and after: fine
                   [1, 1, 2, 2, 1, 1, 0, 0],   # document 1 split in two runs: not holdable
-                  [3, 3, 3, 2, 2, 0, 0, 0],   # ids fall: not holdable
+                  [3, 3, 3, 2, 2, 0, 0, 0],   # ids fall: holdable (the runs are relabelled 1, 2)
                   [1, 2, 3, 4, 5, 6, 7, 8]])  # eight one-token documents: more than max_segments=4
   rid, pos, ok = (np.asarray(x) for x in _packing.runs(jnp.asarray(ids), max_segments=4))
   np.testing.assert_array_equal(rid[0], [1, 1, 0, 2, 2, 2, 0, 0])
   np.testing.assert_array_equal(pos[0], [0, 1, 0, 0, 1, 2, 0, 0])
-  np.testing.assert_array_equal(ok, [True, False, False, False])
+  np.testing.assert_array_equal(ok, [True, False, True, False])
+  np.testing.assert_array_equal(rid[2], [1, 1, 1, 2, 2, 0, 0, 0])
   np.testing.assert_array_equal(attnlayers.spec.count_runs(ids), [2, 3, 2, 8])
 
 

@@ -4,8 +4,8 @@ TransformerEngine's packed descriptor (SequenceDescriptor.from_segment_ids_and_p
 segment's tokens by id value and finds its start as a change of id, so it needs each
 document to be one contiguous run and ids that increase along the row. attnlayers' rule
 (spec.py) takes any ids; `runs` relabels a row's runs 1, 2, 3, ... and says which rows the
-packed layout can hold exactly: those whose ids increase from run to run (a document split
-by padding or by another document is two runs there, so its halves would not see each other)
+packed layout can hold exactly: those where each id forms one run (a document split by
+padding or by another document is two runs there, so its halves would not see each other)
 and that hold at most max_segments runs.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 
 def runs(ids, max_segments: int):
   """ids (B, L) int -> (run id (B, L): 1, 2, ... per run, 0 padding; position in its run (B, L);
-  ok (B,): the row's ids increase from run to run and it holds <= max_segments runs)."""
+  ok (B,): each of the row's ids forms one run, and it holds <= max_segments runs)."""
   ids = jnp.asarray(ids, jnp.int32)  # (B, L)
   prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))  # (B, L) the id before each position (0 before the first)
   start = (ids != 0) & (ids != prev)  # (B, L) first token of a run
@@ -26,8 +26,10 @@ def runs(ids, max_segments: int):
   t = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]  # (1, L)
   first = jax.lax.cummax(jnp.where(start, t, 0), axis=1)  # (B, L) where the current run started
   pos = jnp.where(ids != 0, t - first, 0)
-  seen = jnp.pad(jax.lax.cummax(ids, axis=1)[:, :-1], ((0, 0), (1, 0)))  # (B, L) largest id before t
-  ok = jnp.all(~start | (ids > seen), axis=1) & (jnp.max(rid, axis=1) <= max_segments)
+  srt = jnp.sort(ids, axis=1)  # (B, L): each distinct id once as a change of value
+  distinct = jnp.sum((srt != 0) & (srt != jnp.pad(srt[:, :-1], ((0, 0), (1, 0)))), axis=1)  # (B,)
+  runs_per_row = jnp.max(rid, axis=1)  # (B,)
+  ok = (distinct == runs_per_row) & (runs_per_row <= max_segments)
   return rid, pos, ok
 
 
@@ -38,8 +40,8 @@ def check_concrete(ok, what: str) -> None:
   bad = np.flatnonzero(~np.asarray(ok))
   if bad.size:
     raise ValueError(f"segment_ids rows {bad[:5].tolist()} cannot run on {what}: its packed layout needs each "
-                     "document to be one run of its id, ids increasing along the row (1, 2, 3, ...; gaps and "
-                     "padding 0 between documents are fine), and at most max_segments runs per row; "
+                     "document to be one run of its id (any order and gaps; padding 0 between documents is "
+                     "fine), and at most max_segments runs per row; "
                      "backend='xla' takes any ids")
 
 

@@ -61,11 +61,12 @@ def _layout(te, call):
 
 
 def _window_size(call):
-  """TE's window_size: (left, right) with -1 for a side that spans every key, right 0 under a causal mask."""
+  """TE's window_size: (left, right) with -1 for a side that spans every key (a query's position is below
+  max(T, S), so left >= max(T, S) reaches key 0 from every one), right 0 under a causal mask."""
   if call.window is None:
     return None
   left, right = call.window
-  return (-1 if left >= call.S else left, 0 if call.is_causal else -1 if right >= call.S else right)
+  return (-1 if left >= max(call.T, call.S) else left, 0 if call.is_causal else -1 if right >= call.S else right)
 
 
 def _max_segments(call) -> int:
@@ -140,7 +141,7 @@ def notes(call: Call) -> list[str]:
   te, out = _te(), []
   if call.segments:
     out.append(f"packed documents: TE's THD layout, {_mask_type(te, call).name}, max_segments_per_seq="
-               f"{_max_segments(call)} (each row's runs of one id, increasing along the row; other rows NaN)")
+               f"{_max_segments(call)} (each document one run of its id; rows where one is not, NaN)")
   elif call.has_lengths or call.bottom_right:
     out.append(f"TE mask type {_mask_type(te, call).name} with a SequenceDescriptor of the lengths")
   if call.window is not None:
