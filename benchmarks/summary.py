@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 from benchmarks import report
 
@@ -117,16 +118,27 @@ median(ours) / median(raw) over alternating rounds of 20 calls.
 Training loss, te (bf16) vs te-fp8 ([fp8_train.md]({rel}/fp8_train.md)):
 
 {img("fp8_train.png")}
-""" + _decode(directory)
+""" + "".join(_included(directory, rel, name, title) for name, title in INCLUDED)
 
 
-def _decode(directory: str) -> str:
-  """decode.md as written by benchmarks.decode (its own tables and conventions), under a section of RESULTS.md."""
-  path = os.path.join(directory, "decode.md")
+INCLUDED = [  # reports kept as their benchmark wrote them: (path under the results folder, section title)
+    ("decode.md", "Decoding with a KV cache (`python -m benchmarks.decode`)"),
+    ("decode-batch1/decode.md", "Decoding at batch 1, two rows on a GPU (`benchmarks.decode --batches 1`)"),
+    ("packing/layer.md", "Packed documents and sliding windows per call (`benchmarks.layer --sections segments window`)"),
+    ("packing/train.md", "Packed vs unpacked training (`benchmarks.train --packing unpacked packed`)"),
+]
+
+
+def _included(directory: str, rel: str, name: str, title: str) -> str:
+  """A report as its benchmark wrote it (its own tables and conventions), under a section of RESULTS.md, its
+  images linked from there."""
+  path = os.path.join(directory, name)
   if not os.path.exists(path):
     return ""
   body = open(path).read().split("\n", 1)[1].replace("\n## ", "\n### ")  # drop its title; nest its sections
-  return "\n## Decoding with a KV cache (`python -m benchmarks.decode`)\n" + body
+  folder = os.path.dirname(name)
+  body = re.sub(r"\]\(([^)/]+\.png)\)", lambda m: f"]({rel}/{folder + '/' if folder else ''}{m.group(1)})", body)
+  return f"\n## {title}\n" + body
 
 
 def main(argv=None) -> None:

@@ -22,7 +22,7 @@ def walkthrough_paragraphs() -> list[str]:
 
 
 def test_every_quoted_figure_is_in_the_result_file_named_beside_it():
-  files = {p.name: p.read_text() for p in RESULTS.glob("*.md")}
+  files = {str(p.relative_to(RESULTS)): p.read_text() for p in RESULTS.rglob("*.md")}  # e.g. packing/layer.md
   checked = 0
   for paragraph in walkthrough_paragraphs():
     figures = FIGURE.findall(paragraph)
