@@ -296,7 +296,9 @@ def describe(q, k, v, opts: Options) -> Call:
                        opts.q_segment_ids, (B, T), "(B, T)")
     _check_segment_ids("kv_segment_ids", opts.kv_segment_ids, (B, S), "(B, S)")
     if opts.max_segments is not None:
-      for name, ids in (("q_segment_ids", opts.q_segment_ids), ("kv_segment_ids", opts.kv_segment_ids)):
+      sides = (("q_segment_ids", opts.q_segment_ids),) + (() if opts.shared_segments else
+                                                          (("kv_segment_ids", opts.kv_segment_ids),))
+      for name, ids in sides:
         _check_max_segments(name, ids, opts.max_segments)
   return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=np.dtype(q.dtype), is_causal=opts.is_causal,
               mask_shape=mask_shape, bias_shape=bias_shape, dropout=opts.dropout is not None,
@@ -320,17 +322,23 @@ def _check_segment_ids(name: str, x, shape: tuple[int, int], letters: str) -> No
     raise ValueError(f"{name} must be >= 0 (documents 1, 2, ...; 0 = padding); got {int(values.min())}")
 
 
-def count_runs(ids: np.ndarray) -> np.ndarray:
-  """(B,) the documents of each row of concrete ids (B, L): runs of one non-zero id (padding 0 ends a run)."""
-  prev = np.concatenate([np.zeros_like(ids[:, :1]), ids[:, :-1]], axis=1)
-  return ((ids != 0) & (ids != prev)).sum(axis=1)
+def run_starts(ids):
+  """Bool (B, L): where a document starts in ids (B, L), a run of one non-zero id (padding 0 ends a run)."""
+  ids = jnp.asarray(ids, jnp.int32)
+  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))  # (B, L) the id before each position (0 before the first)
+  return (ids != 0) & (ids != prev)
+
+
+def count_runs(ids) -> np.ndarray:
+  """(B,) the documents of each row of concrete ids (B, L)."""
+  return np.asarray(run_starts(ids).sum(axis=1))
 
 
 def _check_max_segments(name: str, x, limit: int) -> None:
   """Concrete ids hold at most `limit` documents per row (traced: the fused kernels make such rows NaN)."""
   if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
     return
-  runs = count_runs(np.asarray(x))
+  runs = count_runs(x)
   b = int(np.argmax(runs))
   if runs[b] > limit:
     raise ValueError(f"{name}: row {b} holds {int(runs[b])} documents (runs of one non-zero id), more than "

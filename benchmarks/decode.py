@@ -266,7 +266,7 @@ def main(argv=None) -> None:
   if not 1 <= s["steps"] < longest or any(not 1 <= c for c in s["contexts"] + s["batches"] + [s["ttft_context"]]):
     p.error(f"need 1 <= --steps < {longest} and --contexts, --batches, --ttft-context >= 1")
   copy_gbps = decode_report.copy_gb_per_s(s["copy_bytes"], calls=s["calls"] * 4)
-  env = common.environment() | {"decode_min_rows": generate._rows(1), "copy_gb_per_s_start": copy_gbps, "copy_bytes": s["copy_bytes"], "preset": s["preset"],
+  env = common.environment() | {"decode_min_rows": generate.rows_for(1), "copy_gb_per_s_start": copy_gbps, "copy_bytes": s["copy_bytes"], "preset": s["preset"],
                                 "steps": s["steps"], "budget_s": a.budget_s}
   print(env, flush=True)
   rows = sweep(s, None if a.budget_s is None else start + a.budget_s, copy_gbps)

@@ -14,7 +14,6 @@ Letters: B rows, P padded prompt length, L cache length, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 import time
@@ -124,7 +123,7 @@ _COMPILED: dict = {}  # (program, static arguments, argument shapes) -> executab
 MIN_GPU_ROWS = 2
 
 
-def _rows(batch: int) -> int:
+def rows_for(batch: int) -> int:
   """The rows the compiled programs hold for `batch` sequences (see MIN_GPU_ROWS)."""
   return max(batch, MIN_GPU_ROWS) if jax.default_backend() == "gpu" else batch
 
@@ -174,7 +173,7 @@ class Decoder:
     if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
       raise ValueError(f"stop_token ({stop_token}) must be a token id in [0, {cfg.vocab_size})")
     self.cfg, self.batch, self.cache_len, self.prompt_len = cfg, batch, cache_len, prompt_len
-    self.rows = _rows(batch)  # rows the programs and the cache hold (>= batch; the extra ones dropped)
+    self.rows = rows_for(batch)  # rows the programs and the cache hold (>= batch; the extra ones dropped)
     self.sampling, self.stop = sampling, NO_STOP if stop_token is None else stop_token
 
     def build() -> GPT:  # the decoding graph: the model under `cfg`, with a cache

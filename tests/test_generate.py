@@ -112,7 +112,7 @@ def test_one_row_padded_to_two_rows_decodes_the_same(monkeypatch):
   m = model(config())
   sampled = Sampling(temperature=1.0, top_k=8, seed=3)
   want = [generate(m, PROMPTS[1:2], max_new_tokens=NEW, sampling=s).tokens[0] for s in (GREEDY, sampled)]
-  monkeypatch.setattr(models.generate, "_rows", lambda batch: max(batch, 2))
+  monkeypatch.setattr(models.generate, "rows_for", lambda batch: max(batch, 2))
   for s, w in zip((GREEDY, sampled), want):
     gen = generate(m, PROMPTS[1:2], max_new_tokens=NEW, sampling=s)
     assert len(gen.tokens) == 1

@@ -194,7 +194,7 @@ def test_random_layouts_match_reference(backend, layout):
 def test_a_row_the_mask_empties_outputs_zero(backend):
   """Query 3 of row 0 has an all-False mask row (head 1 only): zeros there, finite zero gradients, as the
   reference; not the average over every key that a softmax of equal scores gives."""
-  B, T, N, K = 2, 8, 4, 2
+  B, T, N = 2, 8, 4
   q, k, v, dout, _ = cases.inputs(dict(heads="GQA", causal=False, masked=False, dtype=jnp.float32), B=B, T=T, S=T, H=H)
   mask = jnp.ones((B, N, T, T), bool).at[0, 1, 3].set(False)
 

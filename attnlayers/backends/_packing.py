@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attnlayers.spec import run_starts
+
 
 def runs(ids, max_segments: int):
   """ids (B, L) int -> (run id (B, L): 1, 2, ... per run, 0 padding; position in its run (B, L);
   ok (B,): each of the row's ids forms one run, and it holds <= max_segments runs)."""
   ids = jnp.asarray(ids, jnp.int32)  # (B, L)
-  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))  # (B, L) the id before each position (0 before the first)
-  start = (ids != 0) & (ids != prev)  # (B, L) first token of a run
+  start = run_starts(ids)  # (B, L) first token of a run
   rid = jnp.where(ids != 0, jnp.cumsum(start, axis=1, dtype=jnp.int32), 0)
   t = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]  # (1, L)
   first = jax.lax.cummax(jnp.where(start, t, 0), axis=1)  # (B, L) where the current run started

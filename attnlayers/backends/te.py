@@ -51,7 +51,7 @@ def _mask_type(te, call):
 
 def _shape_of(q, k, opts: Options):
   """What _mask_type reads, from the arrays and options of a run."""
-  (B, T), S = q.shape[:2], k.shape[1]
+  T, S = q.shape[1], k.shape[1]
   return types.SimpleNamespace(is_causal=opts.is_causal, bottom_right=_masks.bottom_right(opts, T, S),
                                has_lengths=opts.has_lengths, T=T, S=S, window=opts.window, segments=opts.has_segments)
 
