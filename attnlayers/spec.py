@@ -330,8 +330,9 @@ def run_starts(ids):
 
 
 def count_runs(ids) -> np.ndarray:
-  """(B,) the documents of each row of concrete ids (B, L)."""
-  return np.asarray(run_starts(ids).sum(axis=1))
+  """(B,) the documents of each row of concrete ids (B, L), also while a jit traces around them."""
+  with jax.ensure_compile_time_eval():
+    return np.asarray(run_starts(ids).sum(axis=1))
 
 
 def _check_max_segments(name: str, x, limit: int) -> None:

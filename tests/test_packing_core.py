@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import attnlayers
+from attnlayers import spec
 from tests import cases, reference
 
 BACKENDS = ["naive", "xla", "auto"]
@@ -240,3 +241,11 @@ def test_max_segments_needs_segment_ids_and_bounds_concrete_ids():
     attnlayers.attention(q, q, q, backend="xla", max_segments=2)
   with pytest.raises(ValueError, match="row 0 holds 3 documents"):
     attnlayers.attention(q, q, q, backend="xla", segment_ids=jnp.array([[1, 1, 2, 2, 3, 3]]), max_segments=2)
+  ids = jnp.array([[1, 1, 2, 2, 3, 3]])
+  with pytest.raises(ValueError, match="row 0 holds 3 documents"):  # concrete ids closed over while a jit traces
+    jax.jit(lambda q: attnlayers.attention(q, q, q, backend="xla", segment_ids=ids, max_segments=2))(q)
+
+
+def test_a_tight_max_segments_on_concrete_ids_inside_jit_matches_reference():
+  ids = jnp.asarray(packed(3, 12, seed=4))  # a jax array closed over by the jitted loss: concrete while it traces
+  check("xla", "GQA", T=12, is_causal=True, segment_ids=ids, max_segments=int(spec.count_runs(ids).max()))
