@@ -1,7 +1,7 @@
 """FP8 projections through TransformerEngine, and the state their scaling keeps.
 
-`TEFp8DotGeneral` is the `dot_general` of one Flax LinearGeneral (a q/k/v/out projection),
-run as an FP8 GEMM by `transformer_engine.jax.dense.dense` under TE's `autocast` with a
+`TEFp8DotGeneral` is the `dot_general` of one Flax Linear/LinearGeneral (the fused q/k/v
+projection, the output projection, an MLP GEMM), run as an FP8 GEMM by `transformer_engine.jax.dense.dense` under TE's `autocast` with a
 recipe from `transformer_engine.common.recipe`. The kernel parameter stays an ordinary
 nnx.Param of the same shape, so the parameter tree is the same for every backend.
 
@@ -111,6 +111,12 @@ class TEFp8DotGeneral(nnx.Module):
 
 
 def use_fp8_projections(layer, recipe: FP8Recipe) -> None:
-  """Makes the q/k/v/out LinearGenerals of a Flax nnx attention layer run as TE FP8 GEMMs, one state each."""
-  for name in ("query", "key", "value", "out"):
-    getattr(layer, name).dot_general = nnx.data(TEFp8DotGeneral(recipe))  # data: its FP8Meta are state
+  """Makes a Flax nnx attention layer's projections TE FP8 GEMMs: `fp8_qkv`, the state of one GEMM of the
+  input with the q, k and v kernels side by side (attnlayers.nnx concatenates them each call), and `out`'s."""
+  layer.fp8_qkv = nnx.data(TEFp8DotGeneral(recipe))  # data: its FP8Meta are state
+  layer.out.dot_general = nnx.data(TEFp8DotGeneral(recipe))
+
+
+def use_fp8_dense(linear: nnx.Linear, recipe: FP8Recipe) -> None:
+  """Makes an nnx.Linear (an MLP GEMM) run as a TE FP8 GEMM with its own scaling state; its parameters stay."""
+  linear.dot_general = nnx.data(TEFp8DotGeneral(recipe))

@@ -13,9 +13,12 @@ Added, keyword-only:
              core runs (attnlayers.fp8.FP8Recipe; default TE DelayedScaling, HYBRID, history
              1024, max, and core="fp8": cuDNN FP8 attention or a clear refusal).
 
-With backend="te-fp8" the q/k/v/out projections run as TransformerEngine FP8 GEMMs; their
-scaling state is FP8Meta variables beside the parameters (see attnlayers.fp8), which a
-training step must carry: `nnx.split(layer, nnx.Param, FP8Meta)`.
+With backend="te-fp8" the projections run as TransformerEngine FP8 GEMMs: q, k and v as one
+GEMM (the input is quantised once; the three kernels are concatenated at run time, so the
+parameter tree stays Flax's), and the output projection. Their scaling state is FP8Meta
+variables beside the parameters (`fp8_qkv`, `out`; see attnlayers.fp8), which a training
+step must carry: `nnx.split(layer, nnx.Param, FP8Meta)`. te-fp8 layers are self-attention
+layers (one input for q, k and v); cross-attention takes backend="te".
 
 Added call arguments: `segment_ids=` (packed documents: (*batch, T) ids, 0 = padding, or a
 pair (q ids, kv ids) for cross-attention; see attnlayers.attention), `max_segments=` (the most
@@ -70,6 +73,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     self.backend = backend if attention_fn is None else "custom attention_fn"
     self.is_causal = is_causal
     self.sliding_window = spec.check_window(sliding_window)
+    self.fp8_qkv = None  # te-fp8: the fused q/k/v FP8 GEMM's scaling state (attnlayers.fp8)
     if backend == "te-fp8":
       fp8.use_fp8_projections(self, fp8_recipe or fp8.FP8Recipe())
 
@@ -90,6 +94,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     window = self.sliding_window if sliding_window is spec.LAYER_DEFAULT else spec.check_window(sliding_window)
     extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("max_segments", max_segments))
              if x is not None}
+    one_input = all(x is None or x is inputs_q for x in (inputs_k, inputs_v))  # self-attention
+    if self.fp8_qkv is not None and not one_input:
+      raise ValueError("backend='te-fp8' projects q, k and v of one input as one FP8 GEMM (self-attention); for "
+                       "cross-attention (inputs_k / inputs_v other than inputs_q) use backend='te'")
     custom = not isinstance(self.attention_fn, BackendAttention)  # a custom attention_fn takes Flax's arguments only
     if custom and extra:
       raise ValueError("segment_ids= and sliding windows need the layer's own backends; a custom attention_fn "
@@ -106,7 +114,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       return self._attend(inputs_q, inputs_k, inputs_v, cache=True, lengths=lengths, extra=extra, **kwargs)
     if lengths is not None:
       raise ValueError("lengths= counts the new tokens of a decode call; pass decode=True (or a mask otherwise)")
-    if extra:  # Flax's __call__ has no way to pass them: the same steps, here
+    if extra or self.fp8_qkv is not None:  # Flax's __call__ has no way to pass them: the same steps, here
       return self._attend(inputs_q, inputs_k, inputs_v, cache=False, is_causal=causal, extra=extra, **kwargs)
     return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode, **kwargs)
 
@@ -124,9 +132,14 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError(f"Incompatible input dimension, got {inputs_q.shape[-1]} but module expects {self.in_features}.")
     if cache and (self.cached_key is None or self.cached_value is None or self.cache_index is None):
       raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
-    query = self.query(inputs_q, out_sharding=qkv_sharding)  # (*batch, T, N, H)
-    key = self.key(inputs_k, out_sharding=qkv_sharding)  # (*batch, S, K, H)
-    value = self.value(inputs_v, out_sharding=qkv_sharding)
+    if self.fp8_qkv is not None:
+      if qkv_sharding is not None:
+        raise ValueError("backend='te-fp8' takes no qkv_sharding (its fused FP8 GEMM); shard the inputs instead")
+      query, key, value = self._fused_qkv(inputs_q)
+    else:
+      query = self.query(inputs_q, out_sharding=qkv_sharding)  # (*batch, T, N, H)
+      key = self.key(inputs_k, out_sharding=qkv_sharding)  # (*batch, S, K, H)
+      value = self.value(inputs_v, out_sharding=qkv_sharding)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     attend = {"is_causal": is_causal}
@@ -154,3 +167,17 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         broadcast_dropout=self.broadcast_dropout, deterministic=dropout_rng is None, dtype=self.dtype,
         precision=self.precision, module=self if sow_weights else None, **attend, **extra)
     return self.out(x, out_sharding=out_sharding)
+
+  def _fused_qkv(self, x):
+    """q (*batch, T, N, H), k and v (*batch, T, K, H) from one FP8 GEMM of x (*batch, T, D) with the three
+    kernels side by side, (D, (N + 2K) H), and the biases the same way; what the three projections compute."""
+    projs = (self.query, self.key, self.value)
+    heads = [p.kernel.shape[1:] for p in projs]  # (N, H), (K, H), (K, H)
+    kernel = jnp.concatenate([p.kernel[...].reshape(x.shape[-1], -1) for p in projs], axis=1)  # (D, (N + 2K) H)
+    bias = jnp.concatenate([p.bias[...].reshape(-1) for p in projs]) if self.use_bias else None  # ((N + 2K) H,)
+    x, kernel, bias = self.query.promote_dtype((x, kernel, bias), dtype=self.query.dtype)
+    y = self.fp8_qkv(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.query.precision)  # (*batch, T, (N + 2K) H)
+    y = y if bias is None else y + bias
+    sizes = [n * h for n, h in heads]
+    parts = jnp.split(y, [sizes[0], sizes[0] + sizes[1]], axis=-1)
+    return tuple(part.reshape(*part.shape[:-1], *hs) for part, hs in zip(parts, heads))  # (*batch, T, heads, H)

@@ -192,11 +192,11 @@ def test_te_fp8_keeps_flax_parameters_and_adds_fp8_state_beside_them():
   plain = MultiHeadAttention(4, D, backend="xla", decode=False, rngs=nnx.Rngs(0))
   jax.tree.map(np.testing.assert_array_equal, params_of(fp8_layer), params_of(plain))
   meta = nnx.to_pure_dict(nnx.state(fp8_layer, FP8Meta))
-  assert set(meta) == {"query", "key", "value", "out"}
-  for proj in meta.values():
+  assert set(meta) == {"fp8_qkv", "out"}  # one FP8 GEMM for q, k and v together, one for the output
+  for state in (meta["fp8_qkv"], meta["out"]["dot_general"]):
     for operand in FP8_OPERANDS:
-      np.testing.assert_array_equal(proj["dot_general"]["scale"][operand], np.ones(1))
-      np.testing.assert_array_equal(proj["dot_general"]["amax_history"][operand], np.zeros(1024))
+      np.testing.assert_array_equal(state["scale"][operand], np.ones(1))
+      np.testing.assert_array_equal(state["amax_history"][operand], np.zeros(1024))
   current = MultiHeadAttention(4, D, backend="te-fp8", fp8_recipe=FP8Recipe(kind="current"), decode=False,
                                rngs=nnx.Rngs(0))
   assert not nnx.state(current, FP8Meta)  # current scaling keeps no state
