@@ -1,9 +1,12 @@
-"""`python -m benchmarks.fp8_train`: does te-fp8 train like bf16? The same small model, data
-and seed under `te` (bf16) and `te-fp8`, with the loss of both side by side.
+"""`python -m benchmarks.fp8_train`: does te-fp8 train like bf16? The same model, data and
+seed under a bf16 backend (`--baseline`, default te) and `te-fp8`, with the loss of both
+side by side.
 
-The default model has head dim 128 and T a multiple of 128, so te-fp8's attention core
-runs in FP8 (cuDNN FP8 forward) and its q/k/v/out projections as TE FP8 GEMMs with delayed
-scaling. Writes fp8_train.json, fp8_train.md and fp8_train.png to --out.
+The default model (`--preset tiny` widened to 4 layers, 4 heads, d_model 512, T 512) has head
+dim 128 and T a multiple of 128, so te-fp8's attention core runs in FP8 (cuDNN FP8 forward)
+and every GEMM of its blocks (fused q/k/v, out, MLP) as a TE FP8 GEMM with delayed scaling.
+`--preset gpt-1b --seq-len 2048 --batch-size 8` is the size where FP8 is meant to pay. Writes
+fp8_train.json, fp8_train.md and fp8_train.png to --out.
 """
 
 from __future__ import annotations
@@ -19,12 +22,22 @@ from benchmarks import common, report
 from train import loop
 
 
+SMALL = {"n_layer": 4, "n_head": 4, "d_model": 512, "seq_len": 512}  # --preset tiny: the fields not given
+
+
+def config(backend: str, a) -> models.GPTConfig:
+  given = {"n_layer": a.n_layer, "n_head": a.n_head, "d_model": a.d_model, "seq_len": a.seq_len}
+  if a.preset == "tiny":
+    given = {k: SMALL[k] if v is None else v for k, v in given.items()}
+    given["n_kv_head"] = given["n_head"]
+  return models.preset(a.preset, backend=backend, dtype="bfloat16", **given)
+
+
 def run(backend: str, a) -> list[dict]:
   path = os.path.join(a.out, f"fp8_train_{backend}.jsonl")
   if os.path.exists(path):
     os.remove(path)
-  model = models.preset("tiny", backend=backend, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
-                        n_kv_head=a.n_head, seq_len=a.seq_len, dtype="bfloat16")
+  model = config(backend, a)
   summary = loop.run(loop.TrainConfig(model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, seed=0,
                                       log_every=a.log_every, eval_every=0, sample_tokens=0, metrics=path,
                                       progress=False))
@@ -38,35 +51,39 @@ def run(backend: str, a) -> list[dict]:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.fp8_train", description=__doc__.splitlines()[0])
+  p.add_argument("--preset", choices=list(models.PRESETS), default="tiny",
+                 help=f"model shape (tiny: widened to {SMALL} unless given)")
+  p.add_argument("--baseline", choices=["te", "cudnn"], default="te", help="the bf16 run te-fp8 is compared with")
   p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--n-layer", type=int, default=4)
-  p.add_argument("--n-head", type=int, default=4)
-  p.add_argument("--d-model", type=int, default=512)
-  p.add_argument("--seq-len", type=int, default=512)
+  p.add_argument("--n-layer", type=int, help="default: the preset's")
+  p.add_argument("--n-head", type=int, help="default: the preset's")
+  p.add_argument("--d-model", type=int, help="default: the preset's")
+  p.add_argument("--seq-len", type=int, help="default: the preset's")
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--lr", type=float, default=1e-3)
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
-  rows = run("te", a) + run("te-fp8", a)
-  bf16 = {r["step"]: r["loss"] for r in rows if r["backend"] == "te"}
+  rows = run(a.baseline, a) + run("te-fp8", a)
+  bf16 = {r["step"]: r["loss"] for r in rows if r["backend"] == a.baseline}
   fp8 = {r["step"]: r["loss"] for r in rows if r["backend"] == "te-fp8"}
   steps = sorted(set(bf16) & set(fp8))
   diff = [abs(fp8[s] - bf16[s]) for s in steps]
   last = [s for s in steps if s > a.steps - 100]
-  env = common.environment() | {"model": {"n_layer": a.n_layer, "n_head": a.n_head, "d_model": a.d_model,
-                                          "head_dim": a.d_model // a.n_head, "seq_len": a.seq_len},
-                                "batch_size": a.batch_size, "lr": a.lr, "steps": a.steps}
-  stats = {"final_loss_te": bf16[steps[-1]], "final_loss_te_fp8": fp8[steps[-1]],
+  cfg = config("te-fp8", a)
+  env = common.environment() | {"model": {"preset": a.preset} | cfg.architecture() | {"head_dim": cfg.head_dim},
+                                "batch_size": a.batch_size, "lr": a.lr, "steps": a.steps, "baseline": a.baseline}
+  stats = {f"final_loss_{a.baseline}": bf16[steps[-1]], "final_loss_te_fp8": fp8[steps[-1]],
            "max_abs_loss_diff": max(diff),
            "mean_abs_loss_diff_last_100_steps": float(np.mean([abs(fp8[s] - bf16[s]) for s in last]))}
   report.write_json(os.path.join(a.out, "fp8_train.json"), env | stats, rows)
-  report.line_plot(os.path.join(a.out, "fp8_train.png"), rows, x="step", y="loss", title="training loss: te (bf16) vs te-fp8",
-                   logx=False)
-  table = [{"step": s, "te": bf16[s], "te-fp8": fp8[s], "diff": fp8[s] - bf16[s]} for s in steps
+  report.line_plot(os.path.join(a.out, "fp8_train.png"), rows, x="step", y="loss",
+                   title=f"training loss: {a.baseline} (bf16) vs te-fp8, {a.preset}", logx=False)
+  table = [{"step": s, a.baseline: bf16[s], "te-fp8": fp8[s], "diff": fp8[s] - bf16[s]} for s in steps
            if s % 50 == 0 or s == steps[-1]]
-  md = (f"# te-fp8 vs te training loss\n\n{env}\n\n" + report.markdown_table(table, ["step", "te", "te-fp8", "diff"])
+  md = (f"# te-fp8 vs {a.baseline} training loss\n\n{env}\n\n"
+        + report.markdown_table(table, ["step", a.baseline, "te-fp8", "diff"])
         + "\n\n" + "\n".join(f"- {k}: {v}" for k, v in stats.items()) + "\n\n![loss](fp8_train.png)\n")
   with open(os.path.join(a.out, "fp8_train.md"), "w") as f:
     f.write(md)

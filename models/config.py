@@ -81,6 +81,9 @@ PRESETS: dict[str, GPTConfig] = {
     # GPT-2 small (~124M) and medium (~350M), nanoGPT's shapes
     "gpt2-small": GPTConfig(),
     "gpt2-medium": GPTConfig(n_layer=24, n_head=16, d_model=1024),
+    # ~1.07B (0.97B in the blocks + the tied 50304 x 2048 embedding): where FP8 is meant to pay; head dim 128
+    # (the FP8 attention core's), GQA with 4 key/value heads, a 2048-token context
+    "gpt-1b": GPTConfig(seq_len=2048, n_layer=22, n_head=16, n_kv_head=4, d_model=2048),
 }
 
 
