@@ -2,8 +2,10 @@
 
 Times, with the one timing helper, the forward pass with loss, forward + backward, and the
 whole step with the AdamW update, for one model and attention backend; the differences
-give backward and optimizer time. Also the output layer + loss alone (logits are the
-largest activation of a GPT-2-sized vocabulary).
+give backward and optimizer time. The loss is the training loss (train.loop's: the output
+layer fused with the cross-entropy in chunks, models.loss). Also the output layer + loss
+alone, both ways: float32 (B, T, V) logits + optax, and fused (logits are the largest
+activation of a GPT-2-sized vocabulary).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from flax import nnx
 import attnlayers
 import models
 from benchmarks import common
+from models.loss import head_cross_entropy
 from train import optim
 
 
@@ -36,9 +39,9 @@ def main(argv=None) -> None:
   x = jax.random.randint(jax.random.key(1), (a.batch_size, a.seq_len), 0, cfg.vocab_size)
   y = jnp.roll(x, -1, axis=1)
 
-  def loss(params, x, y):
-    logits = nnx.merge(graphdef, params)(x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  def loss(params, x, y):  # the training loss, as train.loop computes it
+    model = nnx.merge(graphdef, params)
+    return head_cross_entropy(model.hidden(x), model.head_weight(), y)
 
   def step(params, opt_state, x, y):
     l, g = jax.value_and_grad(loss)(params, x, y)
@@ -52,15 +55,19 @@ def main(argv=None) -> None:
     logits = jnp.einsum("btd,vd->btv", h, wte.astype(h.dtype)).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
+  def fused_head_loss(wte, h, y):  # the same inputs and work, without the (B, T, V) logits
+    return head_cross_entropy(h, wte.astype(h.dtype), y)
+
   parts = {
       "forward+loss": common.time_fn(jax.jit(loss), params, x, y),
       "forward+backward": common.time_fn(jax.jit(jax.grad(loss)), params, x, y),
       "step (with AdamW)": common.time_fn(jax.jit(step), params, opt_state, x, y),
       "output layer+loss fwd+bwd": common.time_fn(jax.jit(jax.grad(head_loss, (0, 1))), wte, h, y),
+      "output layer+fused loss fwd+bwd": common.time_fn(jax.jit(jax.grad(fused_head_loss, (0, 1))), wte, h, y),
   }
   print(json.dumps({"config": a.__dict__} | common.environment()))
   for name, t in parts.items():
-    print(f"{name:>28}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")
+    print(f"{name:>31}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")
 
 
 if __name__ == "__main__":

@@ -87,15 +87,31 @@ class GPT(nnx.Module):
                lengths: Int[Array, "B"] | None = None, last_only: bool = False,
                segment_ids: Int[Array, "B T"] | None = None,
                positions: Int[Array, "B T"] | None = None) -> Float[Array, "B T V"]:
-    """Float32 logits; `rngs` (with a 'dropout' stream) turns dropout on, None is deterministic.
+    """Float32 logits: `hidden` (same arguments) times `head_weight`. Training takes the two apart
+    (models.loss.head_cross_entropy) so that the (B, T, V) logits never exist at once."""
+    x = self.hidden(tokens, rngs, decode=decode, lengths=lengths, last_only=last_only, segment_ids=segment_ids,
+                    positions=positions)  # (B, T, D)
+    return jnp.einsum("btd,vd->btv", x, self.head_weight()).astype(jnp.float32)  # (B, T, V)
+
+  def head_weight(self) -> Float[Array, "V D"]:
+    """The output projection in the compute dtype: the token embedding (tied) or the head's kernel, transposed."""
+    w = self.wte.embedding[...] if self.head is None else self.head.kernel[...].T  # (V, D)
+    return w.astype(jnp.dtype(self.cfg.dtype))
+
+  def hidden(self, tokens: Int[Array, "B T"], rngs: nnx.Rngs | None = None, *, decode: bool = False,
+             lengths: Int[Array, "B"] | None = None, last_only: bool = False,
+             segment_ids: Int[Array, "B T"] | None = None,
+             positions: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
+    """The final LayerNorm's output in the compute dtype, which the output projection turns into logits;
+    `rngs` (with a 'dropout' stream) turns dropout on, None is deterministic.
 
     segment_ids: packed documents, int (B, T): a token attends only earlier tokens with its own
     id (0 = padding, attends nothing). positions: int (B, T) indices into the position table
     (default 0..T-1; restart them at each document with segment_ids).
     decode=True: `tokens` continue each row's cached sequence (init_cache first). Token t of
     row b sits at position cache_index[b] + t; `lengths` (B,) says how many of the T are real
-    (right padding; default all), and the caches advance by that much. last_only: logits
-    (B, 1, V) at each row's last real token only (a prefill needs no others; saves (B, T, V)).
+    (right padding; default all), and the caches advance by that much. last_only: (B, 1, D) at
+    each row's last real token only (a prefill needs no others' logits; saves (B, T, V)).
     """
     B, T = tokens.shape
     if lengths is not None and not decode:
@@ -125,12 +141,7 @@ class GPT(nnx.Module):
     if last_only:
       last = (jnp.full((B,), T) if lengths is None else jnp.asarray(lengths)) - 1  # (B,)
       x = jnp.take_along_axis(x, jnp.maximum(last, 0)[:, None, None], axis=1)  # (B, 1, D)
-    x = self.ln_f(x)
-    if self.head is None:  # tied: the token embedding, in the compute dtype, as output projection
-      logits = jnp.einsum("btd,vd->btv", x, self.wte.embedding[...].astype(dt))  # (B, T, V)
-    else:
-      logits = self.head(x)
-    return logits.astype(jnp.float32)
+    return self.ln_f(x)  # (B, T, D)
 
   def _decode_positions(self, B: int, T: int, lengths) -> Int[Array, "B T"]:
     """Each token's position: its row's cache_index + t; padding tokens (t >= lengths) get 0."""

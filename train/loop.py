@@ -33,6 +33,7 @@ import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
 from models import generate
+from models.loss import head_cross_entropy
 from train import checkpoint, data, metrics, optim, sample, signals, stepdirs
 
 PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
@@ -94,12 +95,13 @@ class TrainConfig:
 
 
 def _loss(graphdef, params, fp8, batch: dict, dropout_key):
-  """Mean cross-entropy over every target of `batch` (Batches: no padding, none left out, packed or not)."""
+  """Mean cross-entropy over every target of `batch` (Batches: no padding, none left out, packed or not),
+  float32. The output layer and loss run fused in chunks (models.loss): the (B, T, V) logits never exist."""
   model = nnx.merge(graphdef, params, fp8)
   rngs = nnx.Rngs(dropout=dropout_key) if model.cfg.dropout else None
-  logits = model(batch["inputs"], rngs=rngs, segment_ids=batch.get("segment_ids"),
-                 positions=batch.get("positions"))  # (B, T, V) float32
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+  h = model.hidden(batch["inputs"], rngs=rngs, segment_ids=batch.get("segment_ids"),
+                   positions=batch.get("positions"))  # (B, T, D) compute dtype
+  return head_cross_entropy(h, model.head_weight(), batch["targets"])
 
 
 @dataclasses.dataclass(frozen=True)

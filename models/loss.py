@@ -1,0 +1,144 @@
+"""The output layer and cross-entropy as one chunked op: the training loss without (B, T, V) logits.
+
+Letters: B batch, T sequence, N = B * T tokens, D model width, V vocabulary, C tokens per chunk.
+
+Why: with GPT-2's vocabulary the logits are the step's largest activation. For gpt2-small at
+B=32, T=1024, V=50304, float32 logits are 6.6 GB; the plain loss writes them, reads them for
+the softmax, then writes and reads a gradient of the same size, all at HBM bandwidth.
+`head_cross_entropy` computes the logits C tokens at a time and, when differentiated, the
+gradients of h and w in the same pass (Liger-Kernel's fused linear cross-entropy): only (C, V)
+blocks ever exist, and the backward is two saved arrays times the incoming scalar.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int
+
+# Most tokens per chunk. A chunk's float32 logits take C * V * 4 bytes (4096 * 50304 * 4 = 0.82 GB
+# for GPT-2's vocabulary); the differentiated pass adds their compute-dtype gradient (0.41 GB in
+# bfloat16): about a fifth of gpt2-small's 6.6 GB float32 (N, V) logits (N = 32768: 8 chunks). Each
+# chunk's three matmuls are still 4096 x 768 x 50304 (0.32 TFLOP each), enough work to keep a GPU's
+# tensor cores busy, so larger chunks would mostly cost memory. (Arithmetic, not a measurement.)
+DEFAULT_CHUNK = 4096
+
+_CONTRACT_D = (((1,), (1,)), ((), ()))  # (C, D) x (V, D) -> (C, V)
+_CONTRACT_V = (((1,), (0,)), ((), ()))  # (C, V) x (V, D) -> (C, D)
+_CONTRACT_C = (((0,), (0,)), ((), ()))  # (C, V) x (C, D) -> (V, D)
+
+
+def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets: Int[Array, "B T"], *,
+                       chunk: int = DEFAULT_CHUNK) -> Float[Array, ""]:
+  """Mean over all B * T tokens of -log softmax(h @ w.T)[target], float32, never all (B, T, V) logits.
+
+  h: hidden states after the final LayerNorm; w: the output projection (the tied token embedding,
+  or an untied head's kernel transposed); both in the compute dtype, the same one. targets: ints
+  in [0, V) (checked when not traced). chunk: the most tokens per block of logits (default
+  DEFAULT_CHUNK). N need not be a multiple of it: the N tokens are split into ceil(N / chunk)
+  equal chunks, and the last tokens padded with weight 0 (fewer than one per chunk).
+
+  Logits accumulate in float32 (preferred_element_type) and are not rounded to the compute dtype
+  before the softmax (`einsum(...).astype(float32)` rounds them first; bfloat16 values differ by
+  that rounding). Differentiable in h and w in reverse mode (a custom_vjp; no jvp): under jax.grad
+  the loss pass also computes the gradients, kept as dh in h's dtype and dw in w's dtype; the
+  backward scales them by the cotangent. Undifferentiated (evaluation), only the loss is computed.
+  """
+  if h.ndim != 3 or w.ndim != 2 or h.shape[-1] != w.shape[-1]:
+    raise ValueError(f"h must be (B, T, D) and w (V, D) with the same D; got h {tuple(h.shape)}, w {tuple(w.shape)}")
+  if h.dtype != w.dtype:
+    raise ValueError(f"h and w must share the compute dtype; got h {h.dtype}, w {w.dtype} (cast w, e.g. "
+                     "model.head_weight())")
+  if tuple(targets.shape) != h.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):
+    raise ValueError(f"targets must be an int array of h's (B, T) = {tuple(h.shape[:2])}; got {targets.dtype} "
+                     f"of shape {tuple(targets.shape)}")
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"chunk must be an int >= 1 (tokens per block of logits); got {chunk!r}")
+  if not isinstance(targets, jax.core.Tracer) and targets.size:  # known (also closed over by a jit): check
+    known = np.asarray(targets)  # on the host: jnp ops here would be traced under a jit
+    lo, hi = int(known.min()), int(known.max())
+    if lo < 0 or hi >= w.shape[0]:
+      raise ValueError(f"targets must lie in [0, V={w.shape[0]}); got values in [{lo}, {hi}]")
+  return _head_cross_entropy(h, w, targets, chunk)
+
+
+def _chunked(h, targets, chunk: int):
+  """(B, T, D), (B, T) -> h (n, C, D), targets (n, C), real (n, C) bool; n = ceil(N / chunk), C = ceil(N / n).
+
+  Chunk k holds the flattened tokens k, k + n, k + 2n, ...: with the batch rows split over
+  devices, every chunk is split the same way (contiguous chunks would each sit on one device)."""
+  B, T, D = h.shape
+  N = B * T
+  n = -(-N // chunk)
+  C = -(-N // n)
+  pad = n * C - N
+  hf = jnp.pad(h.reshape(N, D), ((0, pad), (0, 0)))  # (n * C, D)
+  tf = jnp.pad(targets.reshape(N), (0, pad))  # (n * C,)
+  real = jnp.arange(n * C) < N  # (n * C,)
+  return hf.reshape(C, n, D).swapaxes(0, 1), tf.reshape(C, n).T, real.reshape(C, n).T  # (n, C, D), (n, C), (n, C)
+
+
+def _unchunked(x, B: int, T: int):
+  """_chunked's inverse for h: (n, C, D) -> (B, T, D), the padding dropped."""
+  n, C, D = x.shape
+  return x.swapaxes(0, 1).reshape(n * C, D)[:B * T].reshape(B, T, D)  # (C, n, D) -> (n * C, D) -> (B, T, D)
+
+
+def _chunk_loss(h_c, w, t_c, real_c):
+  """Summed -log p(target) of one chunk's real tokens; its float32 logits less each row's max (C, V), and
+  the softmax denominators (C, 1). Everything is taken from logits - max: subtracting the logsumexp
+  instead (~log V + max) would cost its rounding, relative to its size, in every probability."""
+  logits = lax.dot_general(h_c, w, _CONTRACT_D, preferred_element_type=jnp.float32)  # (C, V)
+  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)  # (C, V) <= 0: exp cannot overflow
+  denom = jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)  # (C, 1) >= 1
+  nll = (jnp.log(denom) - jnp.take_along_axis(shifted, t_c[:, None], axis=-1))[:, 0]  # (C,)
+  return jnp.sum(jnp.where(real_c, nll, 0.0)), shifted, denom
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _head_cross_entropy(h, w, targets, chunk):
+  B, T, _ = h.shape
+  hs, ts, real = _chunked(h, targets, chunk)
+
+  def step(total, xs):
+    total_c, _, _ = _chunk_loss(xs[0], w, xs[1], xs[2])
+    return total + total_c, None
+
+  total, _ = lax.scan(step, jnp.zeros((), jnp.float32), (hs, ts, real))
+  return total / (B * T)
+
+
+def _head_cross_entropy_fwd(h, w, targets, chunk):
+  """The loss and, in the same chunk loop, its gradients: d loss / d logits = (softmax - onehot) / N.
+
+  The 1/N is applied to the float32 matmul results, not to softmax - onehot before its cast to the
+  compute dtype: in float16, (1/V) / N (6e-10 for gpt2-small) would underflow to 0."""
+  B, T, D = h.shape
+  V, N = w.shape[0], B * T
+  hs, ts, real = _chunked(h, targets, chunk)
+
+  def step(carry, xs):
+    total, dw = carry
+    h_c, t_c, real_c = xs  # (C, D), (C,), (C,)
+    total_c, shifted, denom = _chunk_loss(h_c, w, t_c, real_c)
+    g = jnp.exp(shifted) / denom - jax.nn.one_hot(t_c, V, dtype=jnp.float32)  # (C, V) softmax - onehot
+    g = jnp.where(real_c[:, None], g, 0.0).astype(w.dtype)  # (C, V) padding passes no gradient
+    dh_c = lax.dot_general(g, w, _CONTRACT_V, preferred_element_type=jnp.float32)  # (C, D)
+    dw = dw + lax.dot_general(g, h_c, _CONTRACT_C, preferred_element_type=jnp.float32)  # (V, D)
+    return (total + total_c, dw), (dh_c / N).astype(h.dtype)
+
+  zeros = (jnp.zeros((), jnp.float32), jnp.zeros((V, D), jnp.float32))
+  (total, dw), dhs = lax.scan(step, zeros, (hs, ts, real))  # dhs (n, C, D)
+  return total / N, (_unchunked(dhs, B, T), (dw / N).astype(w.dtype))
+
+
+def _head_cross_entropy_bwd(chunk, residuals, g):
+  dh, dw = residuals  # (B, T, D), (V, D)
+  return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None  # targets: ints, no cotangent
+
+
+_head_cross_entropy.defvjp(_head_cross_entropy_fwd, _head_cross_entropy_bwd)

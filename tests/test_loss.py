@@ -1,0 +1,163 @@
+"""models.loss.head_cross_entropy against the plain output layer + cross-entropy: values, gradients, chunking.
+
+The oracle is the textbook formula in float64 numpy (value and hand-derived gradients), itself
+checked against optax's softmax_cross_entropy_with_integer_labels; tolerances are
+tests/reference.py's per dtype. Gradients are taken of N * loss (cotangent N through the custom
+backward) so that they are O(1) and the absolute tolerances mean something.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+from attnlayers.fp8 import FP8Meta
+from models.loss import head_cross_entropy
+from tests import reference
+from train import loop
+
+B, T, D, V = 2, 7, 16, 41  # N = 14 tokens; sizes that no other dimension repeats, for the HLO check
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# 4 and 5: N = 14 is no multiple (4 chunks of 4 with 2 padding, 3 of 5 with 1); 14: one chunk, exact; 64 > N
+CHUNKS = (1, 4, 5, 14, 64)
+
+
+def _inputs(dtype, b=B, t=T, d=D, v=V):
+  kh, kw, kt = jax.random.split(jax.random.key(0), 3)
+  h = jax.random.normal(kh, (b, t, d), jnp.float32).astype(dtype)  # (B, T, D)
+  w = jax.random.normal(kw, (v, d), jnp.float32).astype(dtype)  # (V, D)
+  return h, w, jax.random.randint(kt, (b, t), 0, v)  # targets (B, T)
+
+
+def _oracle(h, w, targets):
+  """float64 (loss, d loss/dh (B, T, D), d loss/dw (V, D)) of mean(-log softmax(h @ w.T)[target])."""
+  h, w, targets = np.asarray(h, np.float64), np.asarray(w, np.float64), np.asarray(targets)
+  N = targets.size
+  logits = np.einsum("btd,vd->btv", h, w)  # (B, T, V)
+  top = logits.max(-1, keepdims=True)
+  lse = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[..., 0]  # (B, T)
+  loss = (lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]).mean()
+  dlogits = (np.exp(logits - lse[..., None]) - np.eye(w.shape[0])[targets]) / N  # (B, T, V)
+  return loss, np.einsum("btv,vd->btd", dlogits, w), np.einsum("btv,btd->vd", dlogits, h)
+
+
+def test_oracle_is_optax():
+  """The float64 oracle is the formula training used before: optax on float32 logits, its gradients by jax."""
+  h, w, t = _inputs(jnp.float32)
+  plain = lambda h, w: optax.softmax_cross_entropy_with_integer_labels(jnp.einsum("btd,vd->btv", h, w), t).mean()
+  value, (dh, dw) = jax.value_and_grad(plain, (0, 1))(h, w)
+  loss, dh64, dw64 = _oracle(h, w, t)
+  reference.assert_close(value, loss, jnp.float32, "out", "loss")
+  reference.assert_close(t.size * dh, t.size * dh64, jnp.float32, "grad", "N * dh")
+  reference.assert_close(t.size * dw, t.size * dw64, jnp.float32, "grad", "N * dw")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_oracle(dtype, chunk, jit):
+  """Loss (evaluated and differentiated) and both gradients, in the inputs' dtypes."""
+  h, w, t = _inputs(DTYPES[dtype])
+  N = t.size
+  loss = lambda h, w: head_cross_entropy(h, w, t, chunk=chunk)
+  scaled = lambda h, w: N * loss(h, w)  # cotangent N through the custom backward
+  evaluate, grad = (jax.jit(loss), jax.jit(jax.value_and_grad(scaled, (0, 1)))) if jit else \
+      (loss, jax.value_and_grad(scaled, (0, 1)))
+  value = evaluate(h, w)
+  value_n, (dh, dw) = grad(h, w)
+  ref, dh64, dw64 = _oracle(h, w, t)
+  assert value.dtype == value_n.dtype == jnp.float32 and value.shape == ()
+  assert (dh.dtype, dh.shape, dw.dtype, dw.shape) == (h.dtype, h.shape, w.dtype, w.shape)
+  reference.assert_close(value, ref, dtype, "out", "loss (evaluation)")
+  reference.assert_close(value_n / N, ref, dtype, "out", "loss (differentiated)")
+  reference.assert_close(value_n / N, value, jnp.float32, "out", "differentiated == evaluated")  # both float32 sums
+  reference.assert_close(dh, N * dh64, dtype, "grad", "N * dh")
+  reference.assert_close(dw, N * dw64, dtype, "grad", "N * dw")
+
+
+def test_no_logits_of_every_token_in_the_program():
+  """The compiled forward + backward holds (C, V) logit blocks, never (N, V) or (B, T, V)."""
+  h, w, t = _inputs(jnp.float32)
+  hlo = jax.jit(jax.grad(lambda h, w: head_cross_entropy(h, w, t, chunk=4), (0, 1))).lower(h, w).compile().as_text()
+  assert re.search(rf"f32\[4,{V}\]", hlo)  # the chunk's logits: so the pattern can find what it looks for
+  assert not re.search(rf"\[{B * T},{V}\]|\[{B},{T},{V}\]", hlo)
+
+
+def test_large_logits_stay_finite():
+  """Logits past 88, where exp overflows float32 without the max shift: still the oracle's numbers. (Much
+  larger ones would carry float32 rounding of the logits themselves past the float32 tolerance.)"""
+  h, w, t = _inputs(jnp.float32)
+  h = h * 10.0
+  assert np.einsum("btd,vd->btv", np.asarray(h), np.asarray(w)).max() > 89  # exp(89) is inf in float32
+  value, (dh, dw) = jax.value_and_grad(lambda h, w: t.size * head_cross_entropy(h, w, t, chunk=4), (0, 1))(h, w)
+  ref, dh64, dw64 = _oracle(h, w, t)
+  reference.assert_close(value / t.size, ref, jnp.float32, "out", "loss")
+  reference.assert_close(dh, t.size * dh64, jnp.float32, "grad", "N * dh")
+  reference.assert_close(dw, t.size * dw64, jnp.float32, "grad", "N * dw")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda h, w, t: (h, w.astype(jnp.bfloat16), t), "h and w must share the compute dtype; got h float32, w bfloat16"),
+    (lambda h, w, t: (h, w[:, :3], t), "h must be (B, T, D) and w (V, D) with the same D; got h (2, 7, 16), w (41, 3)"),
+    (lambda h, w, t: (h, w, t[:, :3]),
+     "targets must be an int array of h's (B, T) = (2, 7); got int32 of shape (2, 3)"),
+    (lambda h, w, t: (h, w, t.astype(jnp.float32)), "targets must be an int array"),
+    (lambda h, w, t: (h, w, t.at[0, 0].set(V)), f"targets must lie in [0, V={V}); got values in [0, {V}]"),
+], ids=["dtypes", "widths", "targets-shape", "targets-dtype", "targets-range"])
+def test_errors_name_the_values(make, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    head_cross_entropy(*make(*_inputs(jnp.float32)))
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
+def test_chunk_must_be_a_positive_int(chunk):
+  message = f"chunk must be an int >= 1 (tokens per block of logits); got {chunk!r}"
+  with pytest.raises(ValueError, match=re.escape(message)):
+    head_cross_entropy(*_inputs(jnp.float32), chunk=chunk)
+
+
+def _tiny(tie: bool):
+  cfg = dataclasses.replace(models.preset("tiny", seq_len=16), n_layer=1, tie_embeddings=tie)
+  model = models.GPT(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.randint(jax.random.key(1), (3, 16), 0, cfg.vocab_size)  # (B, T)
+  return model, {"inputs": x, "targets": jnp.roll(x, -1, axis=1)}
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_training_loss_is_the_logits_formula(tie):
+  """train.loop's loss (fused) and its parameter gradients equal the former logits + optax loss (float32 tiny)."""
+  model, batch = _tiny(tie)
+  graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
+  N = batch["targets"].size
+
+  def before(params):  # train.loop._loss before the fused loss
+    logits = nnx.merge(graphdef, params, fp8)(batch["inputs"])  # (B, T, V) float32
+    return N * optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  value, grads = jax.value_and_grad(lambda p: N * loop._loss(graphdef, p, fp8, batch, None))(params)
+  value0, grads0 = jax.value_and_grad(before)(params)
+  reference.assert_close(value / N, value0 / N, jnp.float32, "out", "loss")
+  reference.assert_close(loop._loss(graphdef, params, fp8, batch, None), value0 / N, jnp.float32, "out", "eval loss")
+  flat, flat0 = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads0)
+  assert len(flat) == len(flat0)
+  for (path, g), g0 in zip(flat, flat0):
+    reference.assert_close(g, g0, jnp.float32, "grad", f"N * d loss / d {jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_logits_are_hidden_times_head_weight(tie):
+  """GPT.__call__ split into hidden + head_weight keeps its logits: bit for bit the head it had (untied:
+  the head's own Linear), and last_only picks the hidden state at each row's last token."""
+  model, batch = _tiny(tie)
+  x = batch["inputs"]
+  h, w = model.hidden(x), model.head_weight()
+  assert h.shape == (3, 16, model.cfg.d_model) and w.shape == (model.cfg.vocab_size, model.cfg.d_model)
+  before = jnp.einsum("btd,vd->btv", h, model.wte.embedding[...].astype(h.dtype)) if tie else model.head(h)
+  np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(before.astype(jnp.float32)))
+  reference.assert_close(model.hidden(x, last_only=True), h[:, -1:], jnp.float32, "out", "last_only")
