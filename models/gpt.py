@@ -3,7 +3,10 @@
 Pre-norm blocks (LayerNorm -> attention -> residual, LayerNorm -> GELU MLP -> residual),
 learned absolute positions, token embedding tied to the output projection, GPT-2's
 initialisation (normal 0.02, residual projections scaled by 1/sqrt(2 * n_layer)). The
-attention kernel is `config.backend`; the model never branches on it.
+attention kernel is `config.backend`; the model never branches on it, except that
+backend "te-fp8" means FP8 for the whole model: the attention projections (q/k/v as one
+GEMM) and both MLP GEMMs run as TransformerEngine FP8 GEMMs, each with its own delayed-
+scaling state; the logits head stays bf16 (the largest GEMM's output feeds the softmax).
 
 Packed documents: `model(tokens, segment_ids=ids, positions=pos)` runs several documents in
 one row; every block's attention lets a token see only its own document's tokens (ids (B, T),
@@ -27,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from attnlayers.fp8 import FP8Recipe
+from attnlayers.fp8 import FP8Recipe, use_fp8_dense
 from attnlayers.nnx import MultiHeadAttention
 from models.config import GPTConfig
 
@@ -39,15 +42,18 @@ class Block(nnx.Module):
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     self.max_segments = cfg.max_segments  # bound on documents per packed row (attnlayers max_segments)
     self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    recipe = FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None  # te-fp8: every GEMM but the head
     self.attn = MultiHeadAttention(
         cfg.n_head, cfg.d_model, num_kv_heads=cfg.n_kv_head, backend=cfg.backend, is_causal=cfg.causal,
         decode=False, sliding_window=cfg.layer_window(layer), dtype=dt, param_dtype=pdt, kernel_init=init,
-        out_kernel_init=proj_init, fp8_recipe=FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None,
-        rngs=rngs)
+        out_kernel_init=proj_init, fp8_recipe=recipe, rngs=rngs)
     self.ln2 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     hidden = cfg.mlp_ratio * cfg.d_model
     self.fc = nnx.Linear(cfg.d_model, hidden, dtype=dt, param_dtype=pdt, kernel_init=init, rngs=rngs)
     self.proj = nnx.Linear(hidden, cfg.d_model, dtype=dt, param_dtype=pdt, kernel_init=proj_init, rngs=rngs)
+    if recipe is not None:  # the MLP's two GEMMs (two thirds of the block's matmul FLOPs) in FP8 too
+      use_fp8_dense(self.fc, recipe)
+      use_fp8_dense(self.proj, recipe)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def __call__(self, x: Float[Array, "B T D"], rngs: nnx.Rngs | None = None, *, decode: bool = False,
