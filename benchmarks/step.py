@@ -64,6 +64,8 @@ def main(argv=None) -> None:
       "step (with AdamW)": common.time_fn(jax.jit(step), params, opt_state, x, y),
       "output layer+loss fwd+bwd": common.time_fn(jax.jit(jax.grad(head_loss, (0, 1))), wte, h, y),
       "output layer+fused loss fwd+bwd": common.time_fn(jax.jit(jax.grad(fused_head_loss, (0, 1))), wte, h, y),
+      "... fused, bf16 logits fwd+bwd": common.time_fn(jax.jit(jax.grad(
+          lambda w, h, y: head_cross_entropy(h, w.astype(h.dtype), y, logits_dtype=h.dtype), (0, 1))), wte, h, y),
   }
   print(json.dumps({"config": a.__dict__} | common.environment()))
   for name, t in parts.items():

@@ -33,7 +33,7 @@ _CONTRACT_C = (((0,), (0,)), ((), ()))  # (C, V) x (C, D) -> (V, D)
 
 
 def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets: Int[Array, "B T"], *,
-                       chunk: int = DEFAULT_CHUNK) -> Float[Array, ""]:
+                       chunk: int = DEFAULT_CHUNK, logits_dtype=jnp.float32) -> Float[Array, ""]:
   """Mean over all B * T tokens of -log softmax(h @ w.T)[target], float32, never all (B, T, V) logits.
 
   h: hidden states after the final LayerNorm; w: the output projection (the tied token embedding,
@@ -42,9 +42,9 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   DEFAULT_CHUNK). N need not be a multiple of it: the N tokens are split into ceil(N / chunk)
   equal chunks, and the last tokens padded with weight 0 (fewer than one per chunk).
 
-  Logits accumulate in float32 (preferred_element_type) and are not rounded to the compute dtype
-  before the softmax (`einsum(...).astype(float32)` rounds them first; bfloat16 values differ by
-  that rounding). Differentiable in h and w in reverse mode (a custom_vjp; no jvp): under jax.grad
+  logits_dtype: the logits GEMM's output, float32 (default: not rounded before the softmax) or
+  the compute dtype (what `einsum(...).astype(float32)` computes; half the bytes through HBM).
+  The softmax runs in float32 either way. Differentiable in h and w in reverse mode (a custom_vjp; no jvp): under jax.grad
   the loss pass also computes the gradients, kept as dh in h's dtype and dw in w's dtype; the
   backward scales them by the cotangent. Undifferentiated (evaluation), only the loss is computed.
   """
@@ -63,7 +63,10 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
     lo, hi = int(known.min()), int(known.max())
     if lo < 0 or hi >= w.shape[0]:
       raise ValueError(f"targets must lie in [0, V={w.shape[0]}); got values in [{lo}, {hi}]")
-  return _head_cross_entropy(h, w, targets, chunk)
+  logits_dtype = jnp.dtype(logits_dtype)
+  if logits_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(h.dtype)):
+    raise ValueError(f"logits_dtype must be float32 or the compute dtype {h.dtype}; got {logits_dtype}")
+  return _head_cross_entropy(h, w, targets, chunk, logits_dtype)
 
 
 def _chunked(h, targets, chunk: int):
@@ -88,31 +91,31 @@ def _unchunked(x, B: int, T: int):
   return x.swapaxes(0, 1).reshape(n * C, D)[:B * T].reshape(B, T, D)  # (C, n, D) -> (n * C, D) -> (B, T, D)
 
 
-def _chunk_loss(h_c, w, t_c, real_c):
+def _chunk_loss(h_c, w, t_c, real_c, logits_dtype):
   """Summed -log p(target) of one chunk's real tokens; its float32 logits less each row's max (C, V), and
   the softmax denominators (C, 1). Everything is taken from logits - max: subtracting the logsumexp
   instead (~log V + max) would cost its rounding, relative to its size, in every probability."""
-  logits = lax.dot_general(h_c, w, _CONTRACT_D, preferred_element_type=jnp.float32)  # (C, V)
+  logits = lax.dot_general(h_c, w, _CONTRACT_D, preferred_element_type=logits_dtype).astype(jnp.float32)  # (C, V)
   shifted = logits - jnp.max(logits, axis=-1, keepdims=True)  # (C, V) <= 0: exp cannot overflow
   denom = jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)  # (C, 1) >= 1
   nll = (jnp.log(denom) - jnp.take_along_axis(shifted, t_c[:, None], axis=-1))[:, 0]  # (C,)
   return jnp.sum(jnp.where(real_c, nll, 0.0)), shifted, denom
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _head_cross_entropy(h, w, targets, chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _head_cross_entropy(h, w, targets, chunk, logits_dtype):
   B, T, _ = h.shape
   hs, ts, real = _chunked(h, targets, chunk)
 
   def step(total, xs):
-    total_c, _, _ = _chunk_loss(xs[0], w, xs[1], xs[2])
+    total_c, _, _ = _chunk_loss(xs[0], w, xs[1], xs[2], logits_dtype)
     return total + total_c, None
 
   total, _ = lax.scan(step, jnp.zeros((), jnp.float32), (hs, ts, real))
   return total / (B * T)
 
 
-def _head_cross_entropy_fwd(h, w, targets, chunk):
+def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype):
   """The loss and, in the same chunk loop, its gradients: d loss / d logits = (softmax - onehot) / N.
 
   The 1/N is applied to the float32 matmul results, not to softmax - onehot before its cast to the
@@ -124,7 +127,7 @@ def _head_cross_entropy_fwd(h, w, targets, chunk):
   def step(carry, xs):
     total, dw = carry
     h_c, t_c, real_c = xs  # (C, D), (C,), (C,)
-    total_c, shifted, denom = _chunk_loss(h_c, w, t_c, real_c)
+    total_c, shifted, denom = _chunk_loss(h_c, w, t_c, real_c, logits_dtype)
     g = jnp.exp(shifted) / denom - jax.nn.one_hot(t_c, V, dtype=jnp.float32)  # (C, V) softmax - onehot
     g = jnp.where(real_c[:, None], g, 0.0).astype(w.dtype)  # (C, V) padding passes no gradient
     dh_c = lax.dot_general(g, w, _CONTRACT_V, preferred_element_type=jnp.float32)  # (C, D)
@@ -136,7 +139,7 @@ def _head_cross_entropy_fwd(h, w, targets, chunk):
   return total / N, (_unchunked(dhs, B, T), (dw / N).astype(w.dtype))
 
 
-def _head_cross_entropy_bwd(chunk, residuals, g):
+def _head_cross_entropy_bwd(chunk, logits_dtype, residuals, g):
   dh, dw = residuals  # (B, T, D), (V, D)
   return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None  # targets: ints, no cotangent
 

@@ -161,3 +161,20 @@ def test_logits_are_hidden_times_head_weight(tie):
   before = jnp.einsum("btd,vd->btv", h, model.wte.embedding[...].astype(h.dtype)) if tie else model.head(h)
   np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(before.astype(jnp.float32)))
   reference.assert_close(model.hidden(x, last_only=True), h[:, -1:], jnp.float32, "out", "last_only")
+
+
+def test_logits_in_the_compute_dtype_match_the_oracle_and_the_einsum_formula():
+  """logits_dtype=bfloat16: what the model's einsum(...).astype(float32) computes, within bf16 tolerance."""
+  h, w, t = _inputs(jnp.bfloat16)
+  N = t.size
+  value_n, (dh, dw) = jax.jit(jax.value_and_grad(
+      lambda h, w: N * head_cross_entropy(h, w, t, chunk=5, logits_dtype=jnp.bfloat16), (0, 1)))(h, w)
+  ref, dh64, dw64 = _oracle(h, w, t)
+  plain = optax.softmax_cross_entropy_with_integer_labels(
+      jnp.einsum("btd,vd->btv", h, w).astype(jnp.float32), t).mean()
+  reference.assert_close(value_n / N, ref, jnp.bfloat16, "out", "loss")
+  reference.assert_close(value_n / N, plain, jnp.bfloat16, "out", "loss vs the bf16-logits formula")
+  reference.assert_close(dh, N * dh64, jnp.bfloat16, "grad", "N * dh")
+  reference.assert_close(dw, N * dw64, jnp.bfloat16, "grad", "N * dw")
+  with pytest.raises(ValueError, match="logits_dtype must be float32 or the compute dtype bfloat16; got float16"):
+    head_cross_entropy(h, w, t, logits_dtype=jnp.float16)
