@@ -294,7 +294,8 @@ def main(argv=None) -> None:
     for path in a.merge:
       with open(path) as f:
         runs.append(json.load(f))
-    env = runs[0]["environment"] | {"matmul_bf16_tflops": [r["environment"]["matmul_bf16_tflops"] for r in runs],
+    matmuls = [r["environment"]["matmul_bf16_tflops"] for r in runs]  # a merged run's is a list already
+    env = runs[0]["environment"] | {"matmul_bf16_tflops": [x for m in matmuls for x in (m if isinstance(m, list) else [m])],
                                     "note": "rows from several processes; each row's vs_matmul uses its own process's matmul"}
     plots = write(a.out, env, [row for r in runs for row in r["rows"]])
     print(f"merged {len(a.merge)} runs; wrote layer.json, layer.csv, layer.md and {len(plots)} plots to {a.out}")
