@@ -126,6 +126,9 @@ INCLUDED = [  # reports kept as their benchmark wrote them: (path under the resu
     ("decode-batch1/decode.md", "Decoding at batch 1, two rows on a GPU (`benchmarks.decode --batches 1`)"),
     ("packing/layer.md", "Packed documents and sliding windows per call (`benchmarks.layer --sections segments window`)"),
     ("packing/train.md", "Packed vs unpacked training (`benchmarks.train --packing unpacked packed`)"),
+    ("gpt-1b/train.md", "Whole-model FP8 at ~1B parameters (`benchmarks.train --preset gpt-1b --seq-len 2048 --batch-size 8`)"),
+    ("gpt-1b/fp8_train.md", "gpt-1b, 300 steps: te-fp8 vs cudnn loss (`benchmarks.fp8_train --preset gpt-1b --baseline cudnn`)"),
+    ("fp8-gpt2-small/train.md", "Whole-model FP8 at gpt2-small, fused cross-entropy (`benchmarks.train --backends cudnn te-fp8`)"),
 ]
 
 

@@ -30,7 +30,8 @@ PACK_NOTE = ("`packing`: unpacked windows of one text, or packed documents (trai
              "`vs_unpacked`: tokens_per_s over the unpacked run's of the same backend and shape. `val_loss`: at the "
              "last step, on the same unpacked held-out windows for both.")
 FP8_CORE = "fp8-or-bf16"  # te-fp8 rows: FP8 core where the model's head dim qualifies, else bf16
-COLUMN_NOTE = ("`mfu`: nanoGPT/PaLM model FLOPs (6N + 12·L·n_head·head_dim·T per token, full attention square "
+COLUMN_NOTE = ("`vs_cudnn`: tokens_per_s over the cudnn run's of the same preset, shape and packing (same process). "
+               "`mfu`: nanoGPT/PaLM model FLOPs (6N + 12·L·n_head·head_dim·T per token, full attention square "
                "even for causal) over the datasheet dense bf16 peak. `vs_matmul`: the same model FLOP/s over a "
                "bf16 matmul of size `matmul_n`³ timed by this benchmark's parent process after the runs.")
 
@@ -74,8 +75,8 @@ def _reasons(stderr: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  cols = ["backend", "fp8_core", "packing", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s",
-          "vs_unpacked", "mfu", "vs_matmul", "time_to_first_step_s", "peak_memory_gib", "final_loss", "val_loss"]
+  cols = ["backend", "preset", "fp8_core", "packing", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s",
+          "vs_unpacked", "vs_cudnn", "mfu", "vs_matmul", "time_to_first_step_s", "peak_memory_gib", "final_loss", "val_loss"]
   reasons = [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
   return report.markdown_table(rows, cols) + "\n" + "\n".join(reasons)
 
@@ -117,18 +118,29 @@ def main(argv=None) -> None:
       if r["packing"] == "packed" and unpacked:
         r["vs_unpacked"] = r["tokens_per_s"] / unpacked[0]["tokens_per_s"]
   print(json.dumps(env), flush=True)
-  os.makedirs(a.out, exist_ok=True)
-  report.write_json(os.path.join(a.out, "train.json"), env, rows)
-  report.write_csv(os.path.join(a.out, "train.csv"), rows)
+  write(a.out, env, rows)
+  print(table(rows))
+
+
+def write(out: str, env: dict, rows: list[dict]) -> None:
+  """train.json, .csv, .md and one tokens/s plot per sequence length, from the runs' rows (each names its
+  preset); adds vs_cudnn, each ok row's tokens/s over the same-run cudnn row of the same shape and packing."""
+  for r in rows:
+    base = [c for c in rows if c["backend"] == "cudnn" and c["status"] == "ok"
+            and all(c[k] == r[k] for k in ("preset", "seq_len", "batch_size", "packing"))]
+    if r["status"] == "ok" and base:
+      r["vs_cudnn"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
+  os.makedirs(out, exist_ok=True)
+  report.write_json(os.path.join(out, "train.json"), env, rows)
+  report.write_csv(os.path.join(out, "train.csv"), rows)
   plots = []
-  for seq_len in a.seq_len:
+  for preset, seq_len in dict.fromkeys((r["preset"], r["seq_len"]) for r in rows):
     sel = [r | {"dtype": f"T{seq_len} {r['packing']}"} for r in rows if r["seq_len"] == seq_len]
     name = f"train_T{seq_len}_tokens_per_s.png"
-    report.bar_plot(os.path.join(a.out, name), sel, y="tokens_per_s", title=f"{a.preset}, T={seq_len}: tokens/s")
+    report.bar_plot(os.path.join(out, name), sel, y="tokens_per_s", title=f"{preset}, T={seq_len}: tokens/s")
     plots.append(name)
-  with open(os.path.join(a.out, "train.md"), "w") as f:
+  with open(os.path.join(out, "train.md"), "w") as f:
     f.write(f"# Training benchmarks\n\n{env}\n\n{COLUMN_NOTE}\n\n{PACK_NOTE}\n\n" + table(rows) + "\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n")
-  print(table(rows))
 
 
 if __name__ == "__main__":
