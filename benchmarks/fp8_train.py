@@ -33,8 +33,7 @@ def config(backend: str, a) -> models.GPTConfig:
   return models.preset(a.preset, backend=backend, dtype="bfloat16", **given)
 
 
-def run(backend: str, a) -> tuple[list[dict], dict]:
-  """One training run: its logged losses as rows, and the trainer's summary (tokens_per_s, ...)."""
+def run(backend: str, a) -> list[dict]:
   path = os.path.join(a.out, f"fp8_train_{backend}.jsonl")
   if os.path.exists(path):
     os.remove(path)
@@ -47,7 +46,7 @@ def run(backend: str, a) -> tuple[list[dict], dict]:
   print(backend, json.dumps(summary), flush=True)
   dtype = "fp8" if backend == "te-fp8" else "bf16"
   return [{"backend": backend, "dtype": dtype, "status": "ok", "step": r["step"], "loss": r["loss"]}
-          for r in records if r.get("loss") is not None], summary
+          for r in records if r.get("loss") is not None]
 
 
 def main(argv=None) -> None:
@@ -66,8 +65,7 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   os.makedirs(a.out, exist_ok=True)
-  (base_rows, base), (fp8_rows, fp8_summary) = run(a.baseline, a), run("te-fp8", a)
-  rows = base_rows + fp8_rows
+  rows = run(a.baseline, a) + run("te-fp8", a)
   bf16 = {r["step"]: r["loss"] for r in rows if r["backend"] == a.baseline}
   fp8 = {r["step"]: r["loss"] for r in rows if r["backend"] == "te-fp8"}
   steps = sorted(set(bf16) & set(fp8))
@@ -78,8 +76,6 @@ def main(argv=None) -> None:
                                 "batch_size": a.batch_size, "lr": a.lr, "steps": a.steps, "baseline": a.baseline}
   stats = {f"final_loss_{a.baseline}": bf16[steps[-1]], "final_loss_te_fp8": fp8[steps[-1]],
            "max_abs_loss_diff": max(diff),
-           f"tokens_per_s_{a.baseline}": base["tokens_per_s"], "tokens_per_s_te_fp8": fp8_summary["tokens_per_s"],
-           f"te_fp8_vs_{a.baseline}_tokens_per_s": fp8_summary["tokens_per_s"] / base["tokens_per_s"],
            "mean_abs_loss_diff_last_100_steps": float(np.mean([abs(fp8[s] - bf16[s]) for s in last]))}
   report.write_json(os.path.join(a.out, "fp8_train.json"), env | stats, rows)
   report.line_plot(os.path.join(a.out, "fp8_train.png"), rows, x="step", y="loss",
