@@ -1,7 +1,8 @@
 """FP8 projections through TransformerEngine, and the state their scaling keeps.
 
-`TEFp8DotGeneral` is the `dot_general` of one Flax Linear/LinearGeneral (the fused q/k/v
-projection, the output projection, an MLP GEMM), run as an FP8 GEMM by `transformer_engine.jax.dense.dense` under TE's `autocast` with a
+`TEFp8DotGeneral` is one FP8 GEMM: the `dot_general` of a Flax Linear/LinearGeneral (the
+output projection, an MLP GEMM), or called by attnlayers.nnx for the fused q/k/v
+projection. It runs `transformer_engine.jax.dense.dense` under TE's `autocast` with a
 recipe from `transformer_engine.common.recipe`. The kernel parameter stays an ordinary
 nnx.Param of the same shape, so the parameter tree is the same for every backend.
 
@@ -68,7 +69,7 @@ class FP8Recipe:
 
 
 class TEFp8DotGeneral(nnx.Module):
-  """A `dot_general` for nnx.LinearGeneral that runs as a TransformerEngine FP8 GEMM."""
+  """A `dot_general` (for nnx.Linear / nnx.LinearGeneral) that runs as a TransformerEngine FP8 GEMM."""
 
   def __init__(self, recipe: FP8Recipe = FP8Recipe()):
     self.recipe = recipe
@@ -114,9 +115,9 @@ def use_fp8_projections(layer, recipe: FP8Recipe) -> None:
   """Makes a Flax nnx attention layer's projections TE FP8 GEMMs: `fp8_qkv`, the state of one GEMM of the
   input with the q, k and v kernels side by side (attnlayers.nnx concatenates them each call), and `out`'s."""
   layer.fp8_qkv = nnx.data(TEFp8DotGeneral(recipe))  # data: its FP8Meta are state
-  layer.out.dot_general = nnx.data(TEFp8DotGeneral(recipe))
+  use_fp8_dense(layer.out, recipe)
 
 
-def use_fp8_dense(linear: nnx.Linear, recipe: FP8Recipe) -> None:
-  """Makes an nnx.Linear (an MLP GEMM) run as a TE FP8 GEMM with its own scaling state; its parameters stay."""
+def use_fp8_dense(linear: nnx.Linear | nnx.LinearGeneral, recipe: FP8Recipe) -> None:
+  """Makes an nnx.Linear or LinearGeneral (an MLP GEMM, the output projection) run as a TE FP8 GEMM with its own scaling state; its parameters stay."""
   linear.dot_general = nnx.data(TEFp8DotGeneral(recipe))

@@ -94,8 +94,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     window = self.sliding_window if sliding_window is spec.LAYER_DEFAULT else spec.check_window(sliding_window)
     extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("max_segments", max_segments))
              if x is not None}
-    one_input = all(x is None or x is inputs_q for x in (inputs_k, inputs_v))  # self-attention
-    if self.fp8_qkv is not None and not one_input:
+    if self.fp8_qkv is not None and not all(x is None or x is inputs_q for x in (inputs_k, inputs_v)):
       raise ValueError("backend='te-fp8' projects q, k and v of one input as one FP8 GEMM (self-attention); for "
                        "cross-attention (inputs_k / inputs_v other than inputs_q) use backend='te'")
     custom = not isinstance(self.attention_fn, BackendAttention)  # a custom attention_fn takes Flax's arguments only
@@ -124,7 +123,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     """Flax's __call__ steps (projections, dropout, attention, output) with attnlayers' extra arguments.
 
     cache: write the new tokens into the KV cache and attend to the row's cache up to them (module
-    docstring); else plain self-/cross-attention with `is_causal`. extra: segment_ids / window.
+    docstring); else plain self-/cross-attention with `is_causal`. extra: segment_ids / window / max_segments.
     """
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v

@@ -134,10 +134,11 @@ def write(out: str, env: dict, rows: list[dict]) -> None:
   report.write_json(os.path.join(out, "train.json"), env, rows)
   report.write_csv(os.path.join(out, "train.csv"), rows)
   plots = []
-  for preset, seq_len in dict.fromkeys((r["preset"], r["seq_len"]) for r in rows):
+  presets = ", ".join(dict.fromkeys(r["preset"] for r in rows))
+  for seq_len in dict.fromkeys(r["seq_len"] for r in rows):
     sel = [r | {"dtype": f"T{seq_len} {r['packing']}"} for r in rows if r["seq_len"] == seq_len]
     name = f"train_T{seq_len}_tokens_per_s.png"
-    report.bar_plot(os.path.join(out, name), sel, y="tokens_per_s", title=f"{preset}, T={seq_len}: tokens/s")
+    report.bar_plot(os.path.join(out, name), sel, y="tokens_per_s", title=f"{presets}, T={seq_len}: tokens/s")
     plots.append(name)
   with open(os.path.join(out, "train.md"), "w") as f:
     f.write(f"# Training benchmarks\n\n{env}\n\n{COLUMN_NOTE}\n\n{PACK_NOTE}\n\n" + table(rows) + "\n\n" + "\n".join(f"![{p}]({p})" for p in plots) + "\n")

@@ -355,7 +355,7 @@ def _check_attention(cfg: TrainConfig) -> None:
       raise attnlayers.BackendUnavailableError.from_plan(plan)
 
 
-def attention_ran(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> str | None:
+def attention_ran(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> str:
   """The kernel the model's attention calls run on (what `auto` chose); layers that differ: "a, b"."""
   return ", ".join(dict.fromkeys(str(p.chosen) for p in attention_plans(cfg, batch_size, pack)))
 

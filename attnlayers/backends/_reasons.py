@@ -58,7 +58,7 @@ def fused_only(call: Call, name: str, *, exact_half_products: bool) -> list[str]
   return reasons
 
 
-def no_segments_or_window(call: Call, name: str, others: str = "'xla' and 'naive' run them exactly") -> list[str]:
+def no_segments_or_window(call: Call, name: str, others: str) -> list[str]:
   """For kernels that take no segment ids or sliding window: the refusal, per feature."""
   asked = [what for what, on in (("segment ids (packed documents)", call.segments),
                                  (f"a sliding window {call.window}", call.window is not None)) if on]
