@@ -41,7 +41,8 @@ def main(argv=None) -> None:
 
   def loss(params, x, y):  # the training loss, as train.loop computes it
     model = nnx.merge(graphdef, params)
-    return head_cross_entropy(model.hidden(x), model.head_weight(), y)
+    h = model.hidden(x)
+    return head_cross_entropy(h, model.head_weight(), y, logits_dtype=h.dtype)
 
   def step(params, opt_state, x, y):
     l, g = jax.value_and_grad(loss)(params, x, y)

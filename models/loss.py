@@ -91,15 +91,29 @@ def _unchunked(x, B: int, T: int):
   return x.swapaxes(0, 1).reshape(n * C, D)[:B * T].reshape(B, T, D)  # (C, n, D) -> (n * C, D) -> (B, T, D)
 
 
+def _max_and_sumexp(x: Float[Array, "C V"]) -> tuple[Float[Array, "C 1"], Float[Array, "C 1"]]:
+  """Each row's max m and sum(exp(x - m)) in one read of x (a variadic reduction, online softmax's
+  rescaling): the max first and then the sum would read the (C, V) block twice."""
+
+  def combine(a, b):  # (m1, s1), (m2, s2): two partial (max, sum of exp(x - max)) -> the pair of their union
+    (m1, s1), (m2, s2) = a, b
+    scale = jnp.where(m1 == m2, 1.0, jnp.exp(-jnp.abs(m1 - m2)))  # exp(smaller max - larger); -inf pairs: 1, not NaN
+    return jnp.maximum(m1, m2), jnp.where(m1 >= m2, s1 + s2 * scale, s1 * scale + s2)
+
+  init = (jnp.array(-jnp.inf, x.dtype), jnp.array(0.0, x.dtype))
+  m, s = lax.reduce((x, jnp.ones_like(x)), init, combine, (1,))  # each element alone: (x, exp(x - x) = 1)
+  return m[:, None], s[:, None]
+
+
 def _chunk_loss(h_c, w, t_c, real_c, logits_dtype):
-  """Summed -log p(target) of one chunk's real tokens; its float32 logits less each row's max (C, V), and
-  the softmax denominators (C, 1). Everything is taken from logits - max: subtracting the logsumexp
-  instead (~log V + max) would cost its rounding, relative to its size, in every probability."""
+  """Summed -log p(target) of one chunk's real tokens; its float32 logits (C, V), their row maxima (C, 1) and
+  softmax denominators sum(exp(logits - max)) (C, 1). Everything is taken relative to the max: subtracting
+  the logsumexp instead (~log V + max) would cost its rounding, relative to its size, in every probability."""
   logits = lax.dot_general(h_c, w, _CONTRACT_D, preferred_element_type=logits_dtype).astype(jnp.float32)  # (C, V)
-  shifted = logits - jnp.max(logits, axis=-1, keepdims=True)  # (C, V) <= 0: exp cannot overflow
-  denom = jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True)  # (C, 1) >= 1
-  nll = (jnp.log(denom) - jnp.take_along_axis(shifted, t_c[:, None], axis=-1))[:, 0]  # (C,)
-  return jnp.sum(jnp.where(real_c, nll, 0.0)), shifted, denom
+  top, denom = _max_and_sumexp(logits)  # (C, 1), (C, 1) >= 1
+  target = jnp.take_along_axis(logits, t_c[:, None], axis=-1) - top  # (C, 1) <= 0
+  nll = (jnp.log(denom) - target)[:, 0]  # (C,)
+  return jnp.sum(jnp.where(real_c, nll, 0.0)), logits, top, denom
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -108,7 +122,7 @@ def _head_cross_entropy(h, w, targets, chunk, logits_dtype):
   hs, ts, real = _chunked(h, targets, chunk)
 
   def step(total, xs):
-    total_c, _, _ = _chunk_loss(xs[0], w, xs[1], xs[2], logits_dtype)
+    total_c, _, _, _ = _chunk_loss(xs[0], w, xs[1], xs[2], logits_dtype)
     return total + total_c, None
 
   total, _ = lax.scan(step, jnp.zeros((), jnp.float32), (hs, ts, real))
@@ -127,8 +141,8 @@ def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype):
   def step(carry, xs):
     total, dw = carry
     h_c, t_c, real_c = xs  # (C, D), (C,), (C,)
-    total_c, shifted, denom = _chunk_loss(h_c, w, t_c, real_c, logits_dtype)
-    g = jnp.exp(shifted) / denom - jax.nn.one_hot(t_c, V, dtype=jnp.float32)  # (C, V) softmax - onehot
+    total_c, logits, top, denom = _chunk_loss(h_c, w, t_c, real_c, logits_dtype)
+    g = jnp.exp(logits - top) * (1 / denom) - jax.nn.one_hot(t_c, V, dtype=jnp.float32)  # (C, V) softmax - onehot
     g = jnp.where(real_c[:, None], g, 0.0).astype(w.dtype)  # (C, V) padding passes no gradient
     dh_c = lax.dot_general(g, w, _CONTRACT_V, preferred_element_type=jnp.float32)  # (C, D)
     dw = dw + lax.dot_general(g, h_c, _CONTRACT_C, preferred_element_type=jnp.float32)  # (V, D)

@@ -102,6 +102,26 @@ def test_large_logits_stay_finite():
   reference.assert_close(dw, t.size * dw64, jnp.float32, "grad", "N * dw")
 
 
+def test_one_pass_max_and_sumexp_is_the_two_pass_formula():
+  """The loss's variadic (max, sum(exp(x - max))) reduction against max-then-sum in float64: rows with a
+  wide spread, ties, -inf entries, a single finite entry, and one element."""
+  from models.loss import _max_and_sumexp
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(6, 301)).astype(np.float32) * np.array([1, 30, 300, 0, 1, 1], np.float32)[:, None]
+  x[3] = 2.5  # all tied
+  x[4, ::2] = -np.inf
+  x[5, :] = -np.inf
+  x[5, 17] = 4.0
+  m, s = jax.jit(_max_and_sumexp)(jnp.asarray(x))
+  x64 = x.astype(np.float64)
+  m64 = x64.max(axis=1, keepdims=True)
+  s64 = np.exp(x64 - m64).sum(axis=1, keepdims=True)
+  np.testing.assert_array_equal(np.asarray(m), m64.astype(np.float32))
+  reference.assert_close(s, s64, jnp.float32, "out", "sum of exp(x - max)")
+  m1, s1 = _max_and_sumexp(jnp.asarray(x[:1, :1]))
+  assert float(m1[0, 0]) == x[0, 0] and float(s1[0, 0]) == 1.0
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda h, w, t: (h, w.astype(jnp.bfloat16), t), "h and w must share the compute dtype; got h float32, w bfloat16"),
     (lambda h, w, t: (h, w[:, :3], t), "h must be (B, T, D) and w (V, D) with the same D; got h (2, 7, 16), w (41, 3)"),

@@ -96,12 +96,14 @@ class TrainConfig:
 
 def _loss(graphdef, params, fp8, batch: dict, dropout_key):
   """Mean cross-entropy over every target of `batch` (Batches: no padding, none left out, packed or not),
-  float32. The output layer and loss run fused in chunks (models.loss): the (B, T, V) logits never exist."""
+  float32. The output layer and loss run fused in chunks (models.loss): the (B, T, V) logits never exist.
+  The logits come out of their GEMM in the compute dtype, as the model's own logits do (GPT.__call__) and as
+  nanoGPT's do under autocast; the softmax runs in float32."""
   model = nnx.merge(graphdef, params, fp8)
   rngs = nnx.Rngs(dropout=dropout_key) if model.cfg.dropout else None
   h = model.hidden(batch["inputs"], rngs=rngs, segment_ids=batch.get("segment_ids"),
                    positions=batch.get("positions"))  # (B, T, D) compute dtype
-  return head_cross_entropy(h, model.head_weight(), batch["targets"])
+  return head_cross_entropy(h, model.head_weight(), batch["targets"], logits_dtype=h.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
