@@ -33,6 +33,7 @@ from jaxtyping import Array, Float, Int
 from attnlayers.fp8 import FP8Recipe, use_fp8_dense
 from attnlayers.nnx import MultiHeadAttention
 from models.config import GPTConfig
+from models.gelu import gelu
 
 
 class Block(nnx.Module):
@@ -63,7 +64,7 @@ class Block(nnx.Module):
     h = self.ln1(x)
     packed = {} if segment_ids is None or self.max_segments is None else {"max_segments": self.max_segments}
     x = x + drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids, **packed))
-    return x + drop(self.proj(jax.nn.gelu(self.fc(self.ln2(x)))))
+    return x + drop(self.proj(gelu(self.fc(self.ln2(x)))))
 
 
 class GPT(nnx.Module):
