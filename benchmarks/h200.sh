@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the published results on one NVIDIA GPU with TransformerEngine installed.
 # Run from the repository root: `bash benchmarks/h200.sh [OUT] [PART]`. OUT defaults to
-# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, packing, train, decode, so
+# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, packing, train, speed, decode, so
 # that each part fits in one 10-minute device command. `summary` (no GPU needed) then writes
 # benchmarks/RESULTS.md from OUT.
 set -euo pipefail
@@ -32,6 +32,16 @@ fi
 if [[ $PART == all || $PART == train ]]; then
   python -m benchmarks.train --seq-len 1024 8192 --batch-size 32 4 --steps 20 --run-timeout 90 --out "$OUT"
   python -m benchmarks.fp8_train --out "$OUT"
+fi
+if [[ $PART == all || $PART == speed ]]; then
+  # Training speed by preset, each in its own folder (each run its own matmul yardstick): about 4 minutes, then
+  # the 300-step gpt-1b loss comparison (about 9 minutes: its own device command)
+  python -m benchmarks.train --backends cudnn te te-fp8 --steps 30 --run-timeout 60 --out "$OUT/gpt2-small"
+  python -m benchmarks.train --preset gpt2-medium --backends cudnn te-fp8 --steps 20 --run-timeout 80 --out "$OUT/gpt2-medium"
+  python -m benchmarks.train --preset gpt-1b --seq-len 2048 --batch-size 8 --backends cudnn te te-fp8 --steps 20 \
+    --run-timeout 80 --out "$OUT/gpt-1b"
+  python -m benchmarks.fp8_train --preset gpt-1b --baseline cudnn --seq-len 2048 --batch-size 8 --steps 300 --lr 6e-4 \
+    --out "$OUT/gpt-1b"
 fi
 if [[ $PART == all || $PART == decode ]]; then
   # ~5 minutes: time to first token for every backend, then backend by backend (cudnn first) K 12/4/1 x
