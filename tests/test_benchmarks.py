@@ -82,17 +82,17 @@ def test_layer_quick_segments_and_window_sections(tmp_path, monkeypatch):
       assert r["status"] == "unavailable" and "GPU" in r["reason"], r
   for (b, p, docs), r in seg.items():  # time over the same backend's and pass's unpacked time, this run
     if r["status"] == "ok":
-      assert r["vs_unpacked"] == pytest.approx(r["median_ms"] / seg[(b, p, None)]["median_ms"], rel=1e-12)
+      assert r["time_vs_unpacked"] == pytest.approx(r["median_ms"] / seg[(b, p, None)]["median_ms"], rel=1e-12)
   for (b, p, T, w), r in win.items():  # the full-causal time at the same T over this row's
     if r["status"] == "ok":
       assert r["vs_full"] == pytest.approx(win[(b, p, T, None)]["median_ms"] / r["median_ms"], rel=1e-12)
-  assert seg[("xla", "fwd", None)]["vs_unpacked"] == 1 and win[("xla", "fwd", 64, None)]["vs_full"] == 1
+  assert seg[("xla", "fwd", None)]["time_vs_unpacked"] == 1 and win[("xla", "fwd", 64, None)]["vs_full"] == 1
   md = (tmp_path / "layer.md").read_text()
-  for text in ("## segments", "## window", "| vs_unpacked |", "| vs_full |", "| none |", "| full |",
+  for text in ("## segments", "## window", "| time_vs_unpacked |", "| vs_full |", "| none |", "| full |",
                "window=(left, 0) with is_causal=True", "equal-length documents", "Target: 8 documents at T = 4096"):
     assert text in md, text
   names = {p.name for p in tmp_path.glob("*.png")}
-  assert {"layer_segments_median_ms.png", "layer_segments_vs_unpacked.png", "layer_window_T64_vs_full.png",
+  assert {"layer_segments_median_ms.png", "layer_segments_time_vs_unpacked.png", "layer_window_T64_vs_full.png",
           "layer_window_T128_vs_full.png"} == names
 
 
@@ -114,7 +114,7 @@ def test_ratios_use_the_baseline_of_the_same_backend_pass_level_and_T():
           _row("window", "te", "core", "fwd+bwd", 16384, None, 14.0),
           _row("window", "te", "core", "fwd+bwd", 16384, 1024, 3.5)]
   packing.add_ratios(rows)
-  assert [r.get("vs_unpacked") for r in rows[:6]] == [1.0, pytest.approx(1.05), 1.0, None, None, None]
+  assert [r.get("time_vs_unpacked") for r in rows[:6]] == [1.0, pytest.approx(1.05), 1.0, None, None, None]
   assert [r.get("vs_full") for r in rows[6:]] == [1.0, 5.0, 1.0, 2.0, 1.0, 4.0]
   assert packing.targets("segments", rows[:6]).splitlines()[1:] == [
       "- te core fwd: 1.05 (met)", "- te layer fwd: no ratio (its unpacked row did not run)",
