@@ -11,6 +11,8 @@ from attnlayers.plan import BackendUnavailableError, Plan, plan
 def _plan(backend, q, k, v, *, dropout_rate, dropout_rng, broadcast_dropout, **kwargs) -> tuple[Plan, spec.Options]:
   """The checks every call passes, then the plan: what explain() reports and attention() runs."""
   spec.check_array_args(q, k, v)
+  if kwargs.get("fp8_amax_history") is not None and backend != "te-fp8":
+    raise ValueError(f"fp8_amax_history= scales te-fp8's FP8 attention core; backend={backend!r} takes none")
   dropout = spec.Dropout(dropout_rate, dropout_rng, broadcast_dropout) if dropout_rate else None
   head_dim = q.shape[-1] if q.ndim == 4 else 1  # describe() reports a wrong rank
   opts = spec.options(dropout=dropout, head_dim=head_dim, **kwargs)
@@ -20,7 +22,8 @@ def _plan(backend, q, k, v, *, dropout_rate, dropout_rng, broadcast_dropout, **k
 def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=None, scale: float | None = None,
             dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = True, precision=None,
             return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
-            causal_alignment: str = "top-left", segment_ids=None, window=None, max_segments=None) -> Plan:
+            causal_alignment: str = "top-left", segment_ids=None, window=None, max_segments=None,
+            fp8_amax_history=None) -> Plan:
   """Which backend would run this call (for `auto`: which it picks) and every unmet requirement.
 
   Takes exactly the arguments of `attention()` (q, k, v may be jax.ShapeDtypeStruct) and
@@ -32,7 +35,7 @@ def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=N
                precision=precision, return_weights=return_weights, fp8_core=fp8_core,
                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
                causal_alignment=causal_alignment, segment_ids=segment_ids, window=window,
-               max_segments=max_segments)[0]
+               max_segments=max_segments, fp8_amax_history=fp8_amax_history)[0]
 
 
 def attention(
@@ -57,6 +60,7 @@ def attention(
     segment_ids: Int[Array, "B T"] | tuple[Int[Array, "B T"], Int[Array, "B S"]] | None = None,
     window: tuple[int, int] | None = None,
     max_segments: int | None = None,
+    fp8_amax_history: Float[Array, "3 L"] | None = None,
 ):
   """Scaled dot-product attention on the chosen kernel.
 
@@ -79,6 +83,11 @@ def attention(
     fp8_core: te-fp8 only: "fp8" (the default: cuDNN FP8 attention, or refuse the call with
       the reasons), "fp8-or-bf16" (FP8 where the call qualifies, else TransformerEngine's
       bf16 kernel; explain() says which) or "bf16".
+    fp8_amax_history: te-fp8's FP8 core only: float32 (3, L), the amaxes of q, k, v over the
+      last L steps (column 0 the latest). Given, the core scales q, k, v from it (delayed
+      scaling, attnlayers.backends._fp8_delayed) and its gradient is the next history, this
+      call's amaxes rolled in; None: scales from this call's amaxes (current scaling).
+      attnlayers.nnx.MultiHeadAttention keeps one per te-fp8 layer.
     query_seq_lengths, key_value_seq_lengths: int (B,): row b has Tb real queries and Sb real
       keys (right padding; default T and S). Query (b, t) attends key s only if t < Tb and s < Sb.
     causal_alignment: with is_causal, "top-left" (query t attends keys s <= t) or
@@ -106,7 +115,7 @@ def attention(
                        precision=precision, return_weights=return_weights, fp8_core=fp8_core,
                        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
                        causal_alignment=causal_alignment, segment_ids=segment_ids, window=window,
-                       max_segments=max_segments)
+                       max_segments=max_segments, fp8_amax_history=fp8_amax_history)
   if not chosen.ok:
     raise BackendUnavailableError.from_plan(chosen)
   return backends.REGISTRY[chosen.chosen].run(q, k, v, opts)

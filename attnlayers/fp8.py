@@ -8,7 +8,8 @@ nnx.Param of the same shape, so the parameter tree is the same for every backend
 
 Delayed scaling keeps, per GEMM operand (x, kernel, grad), a scale and an amax history in
 `FP8Meta` variables: their own NNX variable type, so the optimizer (which takes nnx.Param)
-never sees them. TE updates them the JAX way: the gradient that `jax.grad` returns for an
+never sees them; the FP8 attention core keeps one more (`core_history`, attnlayers.nnx's
+`fp8_core`). TE updates them the JAX way: the gradient that `jax.grad` returns for an
 FP8Meta *is* its new value (TE's custom VJP hands back the updated quantizers), so a training
 step differentiates with respect to FP8Meta too and assigns the result; train/loop.py does,
 and checkpoints the state with the parameters. Current scaling keeps no state.
@@ -46,7 +47,7 @@ class FP8Meta(nnx.Variable):
 @dataclasses.dataclass(frozen=True)
 class FP8Recipe:
   """Which TE recipe scales the FP8 GEMMs; the defaults are TE's DelayedScaling as the codelab sets it."""
-  kind: str = "delayed"  # "delayed" (DelayedScaling: scales from an amax history) or "current" (Float8CurrentScaling)
+  kind: str = "delayed"  # "delayed" (DelayedScaling: scales from an amax history) or "current" (Float8CurrentScaling); GEMMs and FP8 core alike
   core: str = "fp8"  # the attention core: "fp8" (or refuse), "fp8-or-bf16", "bf16"; see attnlayers.spec.FP8_CORE_MODES
   margin: int = 0  # delayed: scale = 2^-margin * fp8_max / amax
   amax_history_len: int = 1024  # delayed: steps of amax kept
@@ -109,6 +110,13 @@ class TEFp8DotGeneral(nnx.Module):
     with autocast(enabled=True, recipe=te_recipe, mesh_resource=MeshResource()):
       return dense(lhs, rhs, None, contracting_dims=(tuple(lhs_contract), tuple(rhs_contract)),
                    quantizer_set=self._quantizer_set(te_recipe))
+
+
+def core_history(recipe: FP8Recipe) -> FP8Meta:
+  """The FP8 attention core's delayed-scaling state: amaxes of q, k, v (3, amax_history_len), zeros until a training
+  step records some (attnlayers.backends._fp8_delayed: scales are powers of two from each row's max, 1 while it is zero).
+  The recipe's margin and amax_compute_algo scale TE's GEMMs; the core always takes the row's max."""
+  return FP8Meta(jnp.zeros((3, recipe.amax_history_len), jnp.float32))
 
 
 def use_fp8_projections(layer, recipe: FP8Recipe) -> None:

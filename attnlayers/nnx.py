@@ -16,8 +16,10 @@ Added, keyword-only:
 With backend="te-fp8" the projections run as TransformerEngine FP8 GEMMs: q, k and v as one
 GEMM (the input is quantised once; the three kernels are concatenated at run time, so the
 parameter tree stays Flax's), and the output projection. Their scaling state is FP8Meta
-variables beside the parameters (`fp8_qkv`, `out`; see attnlayers.fp8), which a training
-step must carry: `nnx.split(layer, nnx.Param, FP8Meta)`. te-fp8 layers are self-attention
+variables beside the parameters (`fp8_qkv`, `out`; see attnlayers.fp8), and with delayed
+scaling (the default recipe) so is the FP8 attention core's: `fp8_core`, the (3, L) amax
+history of q, k and v its scales come from (attnlayers.backends._fp8_delayed). A training
+step must carry them: `nnx.split(layer, nnx.Param, FP8Meta)`, and assign their gradients. te-fp8 layers are self-attention
 layers (one input for q, k and v); cross-attention takes backend="te".
 
 Added call arguments: `segment_ids=` (packed documents: (*batch, T) ids, 0 = padding, or a
@@ -74,8 +76,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     self.is_causal = is_causal
     self.sliding_window = spec.check_window(sliding_window)
     self.fp8_qkv = None  # te-fp8: the fused q/k/v FP8 GEMM's scaling state (attnlayers.fp8)
+    self.fp8_core = None  # te-fp8, delayed scaling: the FP8 core's q/k/v amax history (3, L), an FP8Meta
     if backend == "te-fp8":
-      fp8.use_fp8_projections(self, fp8_recipe or fp8.FP8Recipe())
+      recipe = fp8_recipe or fp8.FP8Recipe()
+      fp8.use_fp8_projections(self, recipe)
+      if recipe.kind == "delayed" and recipe.core != "bf16":
+        self.fp8_core = nnx.data(fp8.core_history(recipe))  # data: state, though None was assigned first
 
   def init_cache(self, input_shape, dtype=None):
     """Flax's init_cache with the compute dtype as default and one position per sequence.
@@ -92,8 +98,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                max_segments=None, **kwargs):
     causal = self.is_causal if is_causal is None else is_causal
     window = self.sliding_window if sliding_window is spec.LAYER_DEFAULT else spec.check_window(sliding_window)
-    extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("max_segments", max_segments))
-             if x is not None}
+    extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("max_segments", max_segments),
+                                     ("fp8_amax_history", None if self.fp8_core is None else self.fp8_core[...])) if x is not None}
     if self.fp8_qkv is not None and not all(x is None or x is inputs_q for x in (inputs_k, inputs_v)):
       raise ValueError("backend='te-fp8' projects q, k and v of one input as one FP8 GEMM (self-attention); for "
                        "cross-attention (inputs_k / inputs_v other than inputs_q) use backend='te'")

@@ -73,6 +73,7 @@ class Options:
   precision: object = None  # a jax.lax.Precision for the score and value matmuls, or None
   return_weights: bool = False  # also return the (B, N, T, S) weights (naive only)
   fp8_core: str = "fp8"  # te-fp8 only: one of FP8_CORE_MODES
+  fp8_amax_history: object = None  # te-fp8's FP8 core only: float32 (3, L) amaxes of q, k, v (delayed scaling)
   query_seq_lengths: object = None  # int (B,): row b has Tb real queries, t >= Tb are padding
   key_value_seq_lengths: object = None  # int (B,): row b has Sb real keys, s >= Sb are padding
   causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS (with is_causal)
@@ -120,6 +121,7 @@ class Call:
   window: tuple[int, int] | None = None  # sliding window (left, right)
   shared_segments: bool = False  # one segment_ids array for queries and keys (not a pair)
   max_segments: int | None = None  # the caller's bound on documents per row (None: T)
+  fp8_delayed: bool = False  # te-fp8's FP8 core scales from an amax history (fp8_amax_history given)
 
   @property
   def has_lengths(self) -> bool:
@@ -166,7 +168,7 @@ def check_array_args(q, k, v) -> None:
 def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None = None, precision=None,
             return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
             causal_alignment: str = "top-left", segment_ids=None, window=None, max_segments=None,
-            head_dim: int) -> Options:
+            fp8_amax_history=None, head_dim: int) -> Options:
   """Validates the scalar options of a call (scale, is_causal, fp8_core) and returns them as one Options."""
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
@@ -182,6 +184,8 @@ def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None =
     raise ValueError(f"scale must be a finite number > 0 (default 1/sqrt(H)); got {scale}")
   if fp8_core not in FP8_CORE_MODES:
     raise ValueError(f"fp8_core must be one of {', '.join(map(repr, FP8_CORE_MODES))}; got {fp8_core!r}")
+  if fp8_amax_history is not None:
+    check_amax_history(fp8_amax_history, fp8_core)
   if causal_alignment not in CAUSAL_ALIGNMENTS:
     raise ValueError(f"causal_alignment must be one of {', '.join(map(repr, CAUSAL_ALIGNMENTS))}; got {causal_alignment!r}")
   if causal_alignment != "top-left" and not is_causal:
@@ -201,7 +205,18 @@ def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None =
                  return_weights=bool(return_weights), fp8_core=fp8_core, query_seq_lengths=query_seq_lengths,
                  key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
                  q_segment_ids=q_ids, kv_segment_ids=kv_ids, window=check_window(window),
-                 max_segments=None if max_segments is None else int(max_segments))
+                 max_segments=None if max_segments is None else int(max_segments), fp8_amax_history=fp8_amax_history)
+
+
+def check_amax_history(history, fp8_core: str) -> None:
+  """fp8_amax_history: a float32 (3, L) array, L >= 1 (rows q, k, v), for a core that may run in FP8."""
+  shape, dtype = getattr(history, "shape", None), getattr(history, "dtype", None)
+  if shape is None or len(shape) != 2 or shape[0] != 3 or shape[1] < 1 or dtype != np.float32:
+    raise ValueError(f"fp8_amax_history must be a float32 array (3, L): rows q, k, v, L >= 1 steps (what "
+                     f"attnlayers.nnx.MultiHeadAttention keeps as fp8_core); got {type(history).__name__} "
+                     f"shape={shape} dtype={dtype}")
+  if fp8_core == "bf16":
+    raise ValueError("fp8_amax_history= scales te-fp8's FP8 core, but fp8_core='bf16' runs the bf16 core; drop one")
 
 
 def check_window(window) -> tuple[int, int] | None:
@@ -306,7 +321,7 @@ def describe(q, k, v, opts: Options) -> Call:
               device=device_lib.of(q, k, v), q_lengths=opts.query_seq_lengths is not None,
               kv_lengths=opts.key_value_seq_lengths is not None, causal_alignment=opts.causal_alignment,
               segments=opts.has_segments, window=opts.window, shared_segments=opts.shared_segments,
-              max_segments=opts.max_segments)
+              max_segments=opts.max_segments, fp8_delayed=opts.fp8_amax_history is not None)
 
 
 def _check_segment_ids(name: str, x, shape: tuple[int, int], letters: str) -> None:

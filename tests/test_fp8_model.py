@@ -34,7 +34,7 @@ def test_te_fp8_gpt_keeps_the_parameter_tree_and_adds_fp8_state_to_every_block_g
   meta = nnx.to_pure_dict(nnx.state(fp8_model, FP8Meta))
   for block in meta["blocks"].values():
     assert set(block) == {"attn", "fc", "proj"}, set(block)
-    assert set(block["attn"]) == {"fp8_qkv", "out"}, set(block["attn"])
+    assert set(block["attn"]) == {"fp8_qkv", "out", "fp8_core"}, set(block["attn"])  # fp8_core: the core's history
   assert "head" not in meta and "wte" not in meta  # the logits head stays bf16
   assert not nnx.state(plain, FP8Meta)
 
@@ -65,6 +65,7 @@ def test_fused_qkv_gemm_computes_the_three_projections(kv_heads, use_bias):
   fused.fp8_qkv = nnx.data(PlainDot())
   fused.out.dot_general = jax.lax.dot_general
   fused.attention_fn = BackendAttention("xla")  # the core is not what this test is about
+  fused.fp8_core = None  # nor the FP8 core's amax history, which only te-fp8 takes
   x = jax.random.normal(jax.random.key(1), (2, 8, D))
   reference.assert_close(fused(x), plain(x), jnp.float32, "out", "fused q/k/v GEMM vs three projections")
   assert fused.fp8_qkv.kernel_shapes == [(D, (4 + 2 * kv_heads) * D // 4)]  # one GEMM: (D, (N + 2K) H)

@@ -192,7 +192,8 @@ def test_te_fp8_keeps_flax_parameters_and_adds_fp8_state_beside_them():
   plain = MultiHeadAttention(4, D, backend="xla", decode=False, rngs=nnx.Rngs(0))
   jax.tree.map(np.testing.assert_array_equal, params_of(fp8_layer), params_of(plain))
   meta = nnx.to_pure_dict(nnx.state(fp8_layer, FP8Meta))
-  assert set(meta) == {"fp8_qkv", "out"}  # one FP8 GEMM for q, k and v together, one for the output
+  assert set(meta) == {"fp8_qkv", "out", "fp8_core"}  # one FP8 GEMM for q, k and v together, one for the output,
+  np.testing.assert_array_equal(meta["fp8_core"], np.zeros((3, 1024)))  # and the FP8 core's q/k/v amax history
   for state in (meta["fp8_qkv"], meta["out"]["dot_general"]):
     for operand in FP8_OPERANDS:
       np.testing.assert_array_equal(state["scale"][operand], np.ones(1))

@@ -4,7 +4,8 @@ jax reaches cuDNN's FP8 attention only through its private module
 `jax._src.cudnn.fused_attention_stablehlo`; this file is the one place that touches it, and
 `api_problem()` says so plainly when an installed jax changed those entry points.
 
-Scaling (current, per tensor, recomputed on every call, so no state):
+Scaling here is current (per tensor, recomputed on every call, so no state); _fp8_delayed
+takes q/k/v scales from an amax history instead, under the same rule for P and O:
   q, k, v   amax measured now; scale = the largest power of two with amax * scale <= 448
             (E4M3's max), so dequantising back to bf16 is exact.
   P         softmax probabilities are <= 1: scale 448 uses E4M3's whole range.
@@ -14,8 +15,8 @@ Forward: cuDNN FP8 kernel (Q.K^T and P.V as FP8 GEMMs, fp32 softmax). Backward: 
 bf16 flash backward, fed by the FP8 forward's own softmax statistics and the dequantised
 tensors, so nothing is recomputed. cuDNN's FP8 backward also exists; benchmarks/fp8.py
 times both: on our H200 the FP8 one is at most a few percent faster (the latest figures are
-in benchmarks/results/h200/fp8.md), and its dP scale would need an amax history that a
-stateless call cannot keep, so the core uses the bf16 one.
+in benchmarks/results/h200/fp8.md), and its dP scale would need an amax history of dP,
+so both cores use the bf16 one.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _quantize(x):
   """x -> (E4M3 x * scale, scale) with scale a power of two and max|x| * scale <= 448."""
   amax = jnp.maximum(jnp.max(jnp.abs(x)).astype(jnp.float32), 2.0**-60)
   scale = jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / amax)))
-  return (x * scale.astype(x.dtype)).astype(E4M3), scale
+  return (x.astype(jnp.float32) * scale).astype(E4M3), scale  # float32: fp16 cannot hold every 2^n
 
 
 def fp8_forward(q8, k8, v8, descales, scale_o, *, scale: float, is_causal: bool, training: bool):
@@ -119,31 +120,39 @@ def fp8_backward(q8, k8, v8, o8, do8, stats, *, scale: float, is_causal: bool):
   return grads[0], grads[1], grads[2]
 
 
-def _forward(q, k, v, scale, is_causal, training):
+def quantized_forward(q8, k8, v8, scales, dtype, *, scale: float, is_causal: bool):
+  """The FP8 forward on quantised q8/k8/v8 (x8 = x * s for scales s = (sq, sk, sv), powers of two):
+  (O (B, T, N, H) in `dtype`, the softmax statistics the backward takes). O's scale is sv / 2: |O| <= max|v8| / sv, and the
+  2 absorbs P's FP8 rounding. The training kernel runs for every call, a forward alone too: it also writes
+  the statistics, and on the H200 it was the faster of the two (benchmarks/fp8.py times both)."""
+  sq, sk, sv = scales
+  scale_o = sv / 2
+  outs = fp8_forward(q8, k8, v8, (1 / sq, 1 / sk, 1 / sv), scale_o, scale=scale, is_causal=is_causal, training=True)
+  return outs[0].astype(dtype) * (1 / scale_o).astype(dtype), outs[3]  # exact: scale_o is 2^n
+
+
+def quantized_backward(q8, k8, v8, scales, out, stats, dout, *, scale: float, is_causal: bool):
+  """cuDNN's bf16 backward from the FP8 forward's residuals: q/k/v dequantised (exact), its statistics."""
+  dt = out.dtype
+  q, k, v = ((x8.astype(jnp.float32) / s).astype(dt) for x8, s in zip((q8, k8, v8), scales))  # exact: s is 2^n
+  return bf16_backward(q, k, v, stats, out, dout.astype(dt), scale=scale, is_causal=is_causal)
+
+
+def _attention_fwd(q, k, v, scale, is_causal):
   (q8, sq), (k8, sk), (v8, sv) = _quantize(q), _quantize(k), _quantize(v)
-  scale_o = sv / 2  # |O| <= max|v|; the 2 absorbs P's FP8 rounding
-  outs = fp8_forward(q8, k8, v8, (1 / sq, 1 / sk, 1 / sv), scale_o, scale=scale, is_causal=is_causal,
-                     training=training)
-  out = outs[0].astype(q.dtype) * (1 / scale_o).astype(q.dtype)  # (B, T, N, H), exact: scale_o is 2^n
-  residuals = (q8, k8, v8, sq, sk, sv, out, outs[3]) if training else None
-  return out, residuals
+  out, stats = quantized_forward(q8, k8, v8, (sq, sk, sv), q.dtype, scale=scale, is_causal=is_causal)
+  return out, (q8, k8, v8, (sq, sk, sv), out, stats)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def attention(q, k, v, scale: float, is_causal: bool):
-  """FP8 attention: q (B, T, N, H), k/v (B, S, K, H) in bf16/fp16 -> (B, T, N, H) in q's dtype."""
-  return _forward(q, k, v, scale, is_causal, training=False)[0]
-
-
-def _attention_fwd(q, k, v, scale, is_causal):
-  return _forward(q, k, v, scale, is_causal, training=True)
+  """FP8 attention, current scaling: q (B, T, N, H), k/v (B, S, K, H) in bf16/fp16 -> (B, T, N, H) in q's dtype."""
+  return _attention_fwd(q, k, v, scale, is_causal)[0]
 
 
 def _attention_bwd(scale, is_causal, residuals, dout):
-  q8, k8, v8, sq, sk, sv, out, stats = residuals
-  dt = out.dtype
-  q, k, v = (x8.astype(dt) * (1 / s).astype(dt) for x8, s in ((q8, sq), (k8, sk), (v8, sv)))  # exact
-  return bf16_backward(q, k, v, stats, out, dout.astype(dt), scale=scale, is_causal=is_causal)
+  q8, k8, v8, scales, out, stats = residuals
+  return quantized_backward(q8, k8, v8, scales, out, stats, dout, scale=scale, is_causal=is_causal)
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)

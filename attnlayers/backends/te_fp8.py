@@ -2,7 +2,8 @@
 
 The core runs as `Options.fp8_core` says (spec.FP8_CORE_MODES). "fp8", the default: cuDNN's
 FP8 flash attention (head dim 128, T and S multiples of 128, compute capability 9.x/10.x, no
-mask or bias; see _fp8_core) with q/k/v quantised to E4M3 with per-tensor scales, the forward
+mask or bias; see _fp8_core) with q/k/v quantised to E4M3 with per-tensor scales (from this
+call's amaxes, or from `Options.fp8_amax_history`: _fp8_delayed), the forward
 in FP8 and the backward in bf16 from the FP8 forward's statistics; a call it cannot take is
 refused with every reason, never run another way. "fp8-or-bf16": the same where the call
 qualifies, else TransformerEngine's bf16 fused attention (the `te` kernel), and explain()
@@ -17,7 +18,7 @@ library versions, never GPU names.
 from __future__ import annotations
 
 from attnlayers import device as device_lib
-from attnlayers.backends import _fp8_core, _reasons, te
+from attnlayers.backends import _fp8_core, _fp8_delayed, _reasons, te
 from attnlayers.spec import Call, Options
 
 NAME = "te-fp8"
@@ -63,7 +64,8 @@ def unmet(call: Call) -> list[str]:
 def notes(call: Call) -> list[str]:
   """How a runnable call runs: FP8 core, or bf16 core and why."""
   if _runs_fp8(call):
-    return ["core: cuDNN FP8 flash attention forward (E4M3, per-tensor scales), bf16 flash backward"]
+    scales = "from an amax history (delayed)" if call.fp8_delayed else "from this call's amaxes (current)"
+    return [f"core: cuDNN FP8 flash attention forward (E4M3, per-tensor scales {scales}), bf16 flash backward"]
   if call.fp8_core == "bf16":
     return ["core: TransformerEngine bf16 fused attention, because fp8_core='bf16'"]
   return ["core: TransformerEngine bf16 fused attention (fp8_core='fp8-or-bf16'), because "
@@ -73,5 +75,7 @@ def notes(call: Call) -> list[str]:
 def run(q, k, v, opts: Options):
   from attnlayers import spec  # the call is described again only to pick the core
   if _runs_fp8(spec.describe(q, k, v, opts)):
+    if opts.fp8_amax_history is not None:
+      return _fp8_delayed.attention(q, k, v, opts.fp8_amax_history, opts.scale, opts.is_causal)
     return _fp8_core.attention(q, k, v, opts.scale, opts.is_causal)
   return te.run(q, k, v, opts)

@@ -1,0 +1,142 @@
+"""te-fp8's delayed-scaling FP8 core (attnlayers.backends._fp8_delayed) on CPU: its scales, saturation,
+the history its gradient hands back, and the argument checks. The cuDNN kernels need a GPU, so here
+they are replaced by a float32 attention on the dequantised tensors (what the FP8 kernel computes up
+to P's rounding); tests/test_gpu_fp8_delayed.py runs the real ones."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import attnlayers
+from attnlayers.backends import _fp8_delayed
+from attnlayers.fp8 import FP8Meta, FP8Recipe
+from attnlayers.nnx import MultiHeadAttention
+from tests import reference
+
+B, T, N, K, H = 2, 32, 4, 2, 16
+
+
+def _f32_attention(q, k, v, *, scale, is_causal):
+  return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal, implementation="xla")
+
+
+def _dequantize(x8s, scales):
+  return [x8.astype(jnp.float32) / s for x8, s in zip(x8s, scales)]
+
+
+def _fake_forward(q8, k8, v8, scales, dtype, *, scale, is_causal):
+  out = _f32_attention(*_dequantize((q8, k8, v8), scales), scale=scale, is_causal=is_causal)
+  return out.astype(dtype), jnp.zeros(())
+
+
+def _fake_backward(q8, k8, v8, scales, out, stats, dout, *, scale, is_causal):
+  f = lambda q, k, v: _f32_attention(q, k, v, scale=scale, is_causal=is_causal)
+  _, pullback = jax.vjp(f, *_dequantize((q8, k8, v8), scales))
+  return tuple(g.astype(out.dtype) for g in pullback(dout.astype(jnp.float32)))
+
+
+@pytest.fixture
+def cpu_kernels(monkeypatch):
+  monkeypatch.setattr(_fp8_delayed, "quantized_forward", _fake_forward)
+  monkeypatch.setattr(_fp8_delayed, "quantized_backward", _fake_backward)
+
+
+def _inputs(seed=0):
+  kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(kq, (B, T, N, H)).astype(jnp.bfloat16)  # (B, T, N, H)
+  k, v = (3 * jax.random.normal(key, (B, T, K, H)).astype(jnp.bfloat16) for key in (kk, kv))  # (B, T, K, H)
+  return q, k, v, jax.random.normal(kd, (B, T, N, H))
+
+
+def _amax(*xs):
+  return jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in xs])  # (3,)
+
+
+def _run(q, k, v, history, dout):
+  def loss(q, k, v, h):
+    out = _fp8_delayed.attention(q, k, v, h, H**-0.5, True)
+    return jnp.sum(out.astype(jnp.float32) * dout), out
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, history)
+
+
+def _reference(q, k, v, dout):
+  f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  options = dict(is_causal=True, scale=H**-0.5)
+  out, _ = reference.forward(f64(q), f64(k), f64(v), **options)
+  return out, reference.gradients(f64(q), f64(k), f64(v), np.asarray(dout), **options)
+
+
+def test_scales_are_powers_of_two_from_each_rows_max():
+  history = jnp.array([[3.0, 1.0, 0.0], [0.0, 0.0, 448.0], [0.0, 0.0, 0.0]])
+  np.testing.assert_array_equal(_fp8_delayed.scales_from(history), [128.0, 1.0, 1.0])  # 448/3 -> 128; empty row -> 1
+  np.testing.assert_array_equal(_fp8_delayed.scales_from(jnp.full((3, 2), 449.0)), [0.5] * 3)
+
+
+def test_quantize_saturates_instead_of_overflowing_and_reports_the_true_amax():
+  x = jnp.array([1000.0, -1000.0, 0.5, 0.0], jnp.bfloat16)
+  x8, amax = _fp8_delayed.quantize(x, jnp.float32(1.0))
+  np.testing.assert_array_equal(np.asarray(x8.astype(jnp.float32)), [448.0, -448.0, 0.5, 0.0])
+  assert float(amax) == 1000.0
+
+
+def test_roll_puts_the_latest_amax_first():
+  history = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+  got = _fp8_delayed.roll(history, jnp.array([-1.0, -2.0, -3.0]))
+  np.testing.assert_array_equal(got, [[-1, 0, 1, 2], [-2, 4, 5, 6], [-3, 8, 9, 10]])
+
+
+@pytest.mark.parametrize("step", ["first", "later"])
+def test_delayed_core_matches_reference_and_its_gradient_is_the_next_history(cpu_kernels, step):
+  q, k, v, dout = _inputs()
+  history = jnp.zeros((3, 8), jnp.float32)
+  if step == "later":
+    history = history.at[:, 0].set(_amax(q, k, v) * 1.5)  # an earlier step's amaxes
+  (_, out), (dq, dk, dv, next_history) = _run(q, k, v, history, dout)
+  want, want_grads = _reference(q, k, v, dout)
+  reference.assert_close(out, want, "fp8", "out", f"delayed core, {step} step")
+  for name, got, ref in zip("qkv", (dq, dk, dv), want_grads):
+    reference.assert_close(got, ref, "fp8", "grad", f"delayed core d{name}, {step} step")
+  np.testing.assert_array_equal(next_history, _fp8_delayed.roll(history, _amax(q, k, v)))
+
+
+def test_an_amax_past_the_history_saturates_and_stays_finite(cpu_kernels):
+  q, k, v, dout = _inputs()
+  history = jnp.zeros((3, 4), jnp.float32).at[:, 0].set(_amax(q, k, v) / 16)  # q, k, v grew 16x since
+  (_, out), grads = _run(q, k, v, history, dout)
+  limits = 448.0 / _fp8_delayed.scales_from(history)  # (3,) the largest |value| each can hold
+  clipped = [jnp.clip(x.astype(jnp.float32), -lim, lim) for x, lim in zip((q, k, v), limits)]
+  assert all(float(jnp.max(jnp.abs(x))) > lim for x, lim in zip((q, k, v), limits))  # something did saturate
+  want, want_grads = _reference(*clipped, dout)
+  reference.assert_close(out, want, "fp8", "out", "saturated delayed core")
+  for name, got, ref in zip("qkv", grads[:3], want_grads):
+    reference.assert_close(got, ref, "fp8", "grad", f"saturated delayed core d{name}")
+
+
+def test_amax_history_argument_is_checked():
+  q, k, v, _ = _inputs()
+  history = jnp.zeros((3, 4), jnp.float32)
+  with pytest.raises(ValueError, match="backend='cudnn' takes none"):
+    attnlayers.explain("cudnn", q, k, v, fp8_amax_history=history)
+  with pytest.raises(ValueError, match=r"float32 array \(3, L\)"):
+    attnlayers.explain("te-fp8", q, k, v, fp8_amax_history=jnp.zeros((4,), jnp.float32))
+  with pytest.raises(ValueError, match=r"float32 array \(3, L\)"):
+    attnlayers.explain("te-fp8", q, k, v, fp8_amax_history=history.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match="fp8_core='bf16' runs the bf16 core"):
+    attnlayers.explain("te-fp8", q, k, v, fp8_core="bf16", fp8_amax_history=history)
+
+
+@pytest.mark.parametrize("recipe, has_history", [(FP8Recipe(), True), (FP8Recipe(amax_history_len=16), True),
+                                                 (FP8Recipe(kind="current"), False), (FP8Recipe(core="bf16"), False)],
+                         ids=["delayed", "delayed-16", "current", "bf16-core"])
+def test_te_fp8_layer_keeps_a_core_history_with_delayed_scaling_only(recipe, has_history):
+  make = lambda backend, **kw: MultiHeadAttention(4, 64, decode=False, backend=backend, rngs=nnx.Rngs(0), **kw)
+  layer = make("te-fp8", fp8_recipe=recipe)
+  if has_history:
+    assert isinstance(layer.fp8_core, FP8Meta) and layer.fp8_core.shape == (3, recipe.amax_history_len)
+    assert not np.asarray(layer.fp8_core[...]).any()
+  else:
+    assert layer.fp8_core is None
+  same = jax.tree.structure(nnx.state(layer, nnx.Param)) == jax.tree.structure(nnx.state(make("cudnn"), nnx.Param))
+  assert same, "the FP8 state must not change the parameter tree"
