@@ -1,9 +1,12 @@
 """`python -m benchmarks.fp8`: what FP8 buys, per pass, for the core and the whole layer.
 
 Core (default B2 T8192 N32 H128 causal): the bf16 cuDNN and TE cores against te-fp8's core
-(per-tensor quantisation + cuDNN FP8 forward + bf16 backward) and against the bare cuDNN
-FP8 kernels on already-quantised inputs with unit scales, forward and backward separately,
-so the FP8 backward's cost is measured next to the bf16 one the core uses.
+(per-tensor quantisation + cuDNN FP8 forward + bf16 backward), with current scaling (scales
+from this call's amaxes) and delayed scaling (from an amax history, as the te-fp8 layer
+runs it), and against the bare cuDNN FP8 kernels on already-quantised inputs with unit
+scales, forward and backward separately, so the FP8 backward's cost is measured next to the
+bf16 one the core uses. Each scaling's own work is timed alone too, against the time a
+same-run device copy needs for the bytes that work must move at least (`vs_copy`).
 Layer (default B4 T4096 d_model 4096 N32, causal): te vs te-fp8 (delayed and current
 scaling) vs cudnn, forward and forward+backward, plus the four projection GEMMs alone in
 bf16 and in FP8, which is where most of a layer's FLOPs are.
@@ -24,10 +27,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import attnlayers
-from attnlayers.backends import _fp8_core
+from attnlayers.backends import _fp8_core, _fp8_delayed
 from attnlayers.fp8 import FP8Meta, FP8Recipe, TEFp8DotGeneral
 from attnlayers.nnx import MultiHeadAttention
-from benchmarks import common, flops, report
+from benchmarks import common, decode_report, flops, report
 
 BF16 = jnp.bfloat16
 
@@ -39,14 +42,26 @@ def core_programs(B, T, N, H, causal):
   scale = H ** -0.5
   count = lambda pass_: flops.attention(B, T, T, N, H, causal=causal, pass_=pass_)
   out = {}
-  for backend in ("cudnn", "te", "te-fp8"):
-    f = lambda q, k, v, b=backend: attnlayers.attention(q, k, v, backend=b, is_causal=causal)
+  amax = jnp.stack([jnp.max(jnp.abs(x)).astype(jnp.float32) for x in (q, k, v)])
+  history = jnp.zeros((3, 1024), jnp.float32).at[:, 0].set(amax)  # (3, L): a step later, as in training
+  for name, backend, extra in (("cudnn", "cudnn", ()), ("te", "te", ()), ("te-fp8", "te-fp8", ()),
+                               ("te-fp8 delayed", "te-fp8", (history,))):
+    f = lambda q, k, v, *h, b=backend: attnlayers.attention(q, k, v, backend=b, is_causal=causal,
+                                                            fp8_amax_history=h[0] if h else None)
     kind = "fp8" if backend == "te-fp8" else "bf16"
-    out[f"{backend} core"] = ("fwd", f, (q, k, v), count("fwd"), kind)
-    out[f"{backend} core "] = ("fwd+bwd", *common.forward_backward(f, (q, k, v)), count("fwd+bwd"), kind)
-  quantize = lambda q, k, v, o8: ([_fp8_core._quantize(x) for x in (q, k, v)], o8.astype(BF16) * 0.5)
+    out[f"{name} core"] = ("fwd", f, (q, k, v, *extra), count("fwd"), kind)
+    out[f"{name} core "] = ("fwd+bwd", *common.forward_backward(f, (q, k, v, *extra)), count("fwd+bwd"), kind)
+  n = q.size  # elements of each of q, k, v, O
+  current = lambda q, k, v, o8: ([_fp8_core._quantize(x) for x in (q, k, v)], o8.astype(BF16) * 0.5)
+  delayed = lambda q, k, v, h, o8: ([_fp8_delayed.quantize(x, s) for x, s in zip((q, k, v), _fp8_delayed.scales_from(h))],
+                                    o8.astype(BF16) * 0.5)
   q8, k8, v8, do8 = (x.astype(_fp8_core.E4M3) for x in (q, k, v, do))
-  out["te-fp8's scaling alone: amax + quantise q, k, v; dequantise O"] = ("fwd", quantize, (q, k, v, q8), 0.0, "fp8")
+  # bytes: current reads q, k, v twice (amax, then quantise) and writes E4M3; delayed reads them once; both read
+  # O in E4M3 and write it in bf16
+  out["current scaling alone: amax, then quantise q, k, v; dequantise O"] = ("fwd", current, (q, k, v, q8), 0.0, "fp8",
+                                                                             n * (3 * 5 + 3))
+  out["delayed scaling alone: quantise q, k, v with their amax; dequantise O"] = (
+      "fwd", delayed, (q, k, v, history, q8), 0.0, "fp8", n * (3 * 3 + 3))
   ones = (1.0, 1.0, 1.0)
   raw = lambda training: (lambda q8, k8, v8: _fp8_core.fp8_forward(
       q8, k8, v8, ones, 1.0, scale=scale, is_causal=causal, training=training)[0])
@@ -113,12 +128,14 @@ FLOPS_NOTE = ("`tflops` counts the FLOPs the math needs (benchmarks.flops: atten
               "when causal, backward twice the forward; projections 2·M·K·N forward), a lower bound of what runs. "
               "`vs_matmul`: that rate over an 8192³ bf16 matmul timed in the same process. `peak`: the dense "
               "datasheet peak the row is checked against (a rate above it stops the benchmark); fp8 rows may pass "
-              "the bf16 matmul.")
+              "the bf16 matmul. `copy_ms`: for the scaling rows, the time a device copy (x + 1 over 2 GiB, timed in the same "
+              "process) needs to move the bytes that work must move at least; `vs_copy`: that time over the row's.")
 
 
-def measure(programs, matmul, calls, warmup) -> list[dict]:
+def measure(programs, matmul, calls, warmup, copy_gbps) -> list[dict]:
+  """Rows of programs {name: (pass, fn, args, flops, peak kind[, bytes it must move])}."""
   rows = []
-  for name, (pass_, fn, args, count, kind) in programs.items():
+  for name, (pass_, fn, args, count, kind, *nbytes) in programs.items():
     peak, peak_name = common.dense_peak(kind)
     row = {"name": name.strip(), "pass": pass_, "peak": peak_name}
     try:
@@ -130,6 +147,8 @@ def measure(programs, matmul, calls, warmup) -> list[dict]:
     tflops = flops.check_rate(name.strip(), count, t.median_ms * 1e-3, peak, peak_name) / 1e12 if count else None
     rows.append(row | {"status": "ok", "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
                        "calls": t.calls, "tflops": tflops, "vs_matmul": tflops and tflops / matmul})
+    if nbytes:  # memory-bound: the least bytes it must move, and the time a device copy takes for them
+      rows[-1] |= {"copy_ms": nbytes[0] / (copy_gbps * 1e9) * 1e3, "vs_copy": nbytes[0] / (t.median_ms * 1e-3) / 1e9 / copy_gbps}
   return rows
 
 
@@ -147,17 +166,20 @@ def main(argv=None) -> None:
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
-  env = common.environment() | {"matmul_bf16_tflops": common.matmul_tflops()}
+  env = common.environment() | {"matmul_bf16_tflops": common.matmul_tflops(),
+                                "copy_gb_per_s": decode_report.copy_gb_per_s(2**31)}
   print(env, flush=True)
-  rows = [r | {"level": "core"} for r in measure(core_programs(*a.core, causal=True), env["matmul_bf16_tflops"],
-                                                 a.calls, a.warmup)]
-  rows += [r | {"level": "layer"} for r in measure(layer_programs(*a.layer, causal=True), env["matmul_bf16_tflops"],
-                                                   a.calls, a.warmup)]
+  yardsticks = env["matmul_bf16_tflops"], a.calls, a.warmup, env["copy_gb_per_s"]
+  rows = [r | {"level": "core"} for r in measure(core_programs(*a.core, causal=True), *yardsticks)]
+  rows += [r | {"level": "layer"} for r in measure(layer_programs(*a.layer, causal=True), *yardsticks)]
   ratios = {
-      "te-fp8 core fwd vs cudnn core fwd": ratio(rows, "te-fp8 core", "cudnn core", "fwd"),
+      "te-fp8 core fwd vs cudnn core fwd (current scaling)": ratio(rows, "te-fp8 core", "cudnn core", "fwd"),
+      "te-fp8 delayed core fwd vs cudnn core fwd": ratio(rows, "te-fp8 delayed core", "cudnn core", "fwd"),
       "fp8 kernel (inference fwd) vs cudnn core fwd": ratio(rows, "fp8 kernel, inference fwd", "cudnn core", "fwd"),
+      "fp8 kernel (training fwd) vs cudnn core fwd": ratio(rows, "fp8 kernel, training fwd", "cudnn core", "fwd"),
       "fp8 bwd kernel vs bf16 bwd kernel": ratio(rows, "fp8 kernel, bwd", "bf16 kernel, bwd (te-fp8's)", "bwd"),
-      "te-fp8 core fwd+bwd vs cudnn core fwd+bwd": ratio(rows, "te-fp8 core", "cudnn core", "fwd+bwd"),
+      "te-fp8 core fwd+bwd vs cudnn core fwd+bwd (current scaling)": ratio(rows, "te-fp8 core", "cudnn core", "fwd+bwd"),
+      "te-fp8 delayed core fwd+bwd vs cudnn core fwd+bwd": ratio(rows, "te-fp8 delayed core", "cudnn core", "fwd+bwd"),
       "te-fp8 delayed layer fwd+bwd vs te layer": ratio(rows, "te-fp8 delayed layer", "te layer", "fwd+bwd"),
       "te-fp8 current layer fwd+bwd vs te layer": ratio(rows, "te-fp8 current layer", "te layer", "fwd+bwd"),
       "fp8 projections vs bf16 projections (fwd+bwd)": ratio(rows, "4 projections fp8 (TE, delayed)",
@@ -166,7 +188,8 @@ def main(argv=None) -> None:
   env |= {"core_shape": dict(zip("BTNH", a.core)), "layer_shape": dict(zip("BTDN", a.layer)), "causal": True}
   os.makedirs(a.out, exist_ok=True)
   report.write_json(os.path.join(a.out, "fp8.json"), env | {"speedups": ratios}, rows)
-  cols = ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul", "peak"]
+  cols = ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul", "peak", "copy_ms",
+          "vs_copy"]
   speed = "\n".join(f"| {k} | {v:.3f}x |" if v else f"| {k} | n/a |" for k, v in ratios.items())
   md = (f"# FP8 benchmarks\n\n{env}\n\n{FLOPS_NOTE}\n\n" + report.markdown_table(rows, cols) +
         "\n\n| speed-up (same run, median time ratio) | |\n|---|---|\n" + speed + "\n")

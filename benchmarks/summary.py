@@ -109,7 +109,12 @@ median(ours) / median(raw) over alternating rounds of 20 calls.
 
 ## FP8 (`python -m benchmarks.fp8`; core {fp8["environment"]["core_shape"]}, layer {fp8["environment"]["layer_shape"]}, causal)
 
-{report.markdown_table(fp8["rows"], ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul", "peak"])}
+{report.markdown_table(fp8["rows"], ["level", "name", "pass", "status", "median_ms", "p10_ms", "p90_ms", "tflops", "vs_matmul", "peak",
+                                    "copy_ms", "vs_copy"])}
+
+`copy_ms`: for the two scaling rows, the time a device copy timed in the same process
+({fp8["environment"].get("copy_gb_per_s", float("nan")):.0f} GB/s) takes for the bytes that work must move at least;
+`vs_copy`: that time over the row's.
 
 | speed-up (same run, ratio of median times) | |
 |---|---|
