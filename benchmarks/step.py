@@ -2,8 +2,9 @@
 
 Times, with the one timing helper, the forward pass with loss, forward + backward, and the
 whole step with the AdamW update, for one model and attention backend; the differences
-give backward and optimizer time. The loss is the training loss (train.loop's: the output
-layer fused with the cross-entropy in chunks, models.loss). Also the output layer + loss
+give backward and optimizer time. The loss is the training loss (train.loop._loss itself: the
+output layer fused with the cross-entropy in chunks, models.loss), and the step differentiates
+with respect to the FP8 scaling state too, as training does (te-fp8). Also the output layer + loss
 alone, both ways: float32 (B, T, V) logits + optax, and fused (logits are the largest
 activation of a GPT-2-sized vocabulary).
 """
@@ -21,8 +22,10 @@ from flax import nnx
 import attnlayers
 import models
 from benchmarks import common
+from attnlayers.fp8 import FP8Meta
 from models.loss import head_cross_entropy
 from train import optim
+from train.loop import _loss
 
 
 def main(argv=None) -> None:
@@ -33,21 +36,19 @@ def main(argv=None) -> None:
   p.add_argument("--batch-size", type=int, default=32)
   a = p.parse_args(argv)
   cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len)
-  graphdef, params = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  graphdef, params, fp8 = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, FP8Meta)  # fp8: te-fp8's state
   tx = optim.adamw(3e-4, 1000, 10)
   opt_state = tx.init(params)
   x = jax.random.randint(jax.random.key(1), (a.batch_size, a.seq_len), 0, cfg.vocab_size)
   y = jnp.roll(x, -1, axis=1)
 
-  def loss(params, x, y):  # the training loss, as train.loop computes it
-    model = nnx.merge(graphdef, params)
-    h = model.hidden(x)
-    return head_cross_entropy(h, model.head_weight(), y, logits_dtype=h.dtype)
+  def loss(params, fp8, x, y):
+    return _loss(graphdef, params, fp8, {"inputs": x, "targets": y}, None)
 
-  def step(params, opt_state, x, y):
-    l, g = jax.value_and_grad(loss)(params, x, y)
+  def step(params, fp8, opt_state, x, y):  # as train.loop's: the FP8Meta "gradient" is its next value
+    l, (g, fp8) = jax.value_and_grad(loss, argnums=(0, 1))(params, fp8, x, y)
     updates, opt_state = tx.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, l
+    return optax.apply_updates(params, updates), fp8, opt_state, l
 
   h = jax.random.normal(jax.random.key(2), (a.batch_size, a.seq_len, cfg.d_model), jnp.dtype(cfg.dtype))
   wte = params["wte"]["embedding"][...]
@@ -60,9 +61,9 @@ def main(argv=None) -> None:
     return head_cross_entropy(h, wte.astype(h.dtype), y)
 
   parts = {
-      "forward+loss": common.time_fn(jax.jit(loss), params, x, y),
-      "forward+backward": common.time_fn(jax.jit(jax.grad(loss)), params, x, y),
-      "step (with AdamW)": common.time_fn(jax.jit(step), params, opt_state, x, y),
+      "forward+loss": common.time_fn(jax.jit(loss), params, fp8, x, y),
+      "forward+backward": common.time_fn(jax.jit(jax.grad(loss, argnums=(0, 1))), params, fp8, x, y),
+      "step (with AdamW)": common.time_fn(jax.jit(step), params, fp8, opt_state, x, y),
       "output layer+loss fwd+bwd": common.time_fn(jax.jit(jax.grad(head_loss, (0, 1))), wte, h, y),
       "output layer+fused loss fwd+bwd": common.time_fn(jax.jit(jax.grad(fused_head_loss, (0, 1))), wte, h, y),
       "... fused, bf16 logits fwd+bwd": common.time_fn(jax.jit(jax.grad(
