@@ -213,3 +213,25 @@ def test_checkpoint_keeps_fp8_state_and_survives_backend_switches(tmp_path):
   restored = plain.restore(1, {"params": params, "fp8": fresh})  # bf16 -> te-fp8
   jax.tree.map(np.testing.assert_array_equal, restored["fp8"], fresh)  # starts afresh
   plain.close()
+
+
+def test_checkpoint_from_before_the_fp8_core_history_restores_the_rest_and_starts_it_afresh(tmp_path, capsys):
+  from flax import nnx
+
+  from attnlayers.fp8 import FP8Meta
+  from attnlayers.nnx import MultiHeadAttention
+  from train.checkpoint import Checkpoints
+  layer = MultiHeadAttention(2, 16, backend="te-fp8", decode=False, rngs=nnx.Rngs(0))
+  layer.fp8_core = None  # the FP8 state an earlier te-fp8 layer kept: its GEMMs' only
+  distinct = lambda state: jax.tree.map(lambda x: x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) + 1, state)
+  old = distinct(nnx.state(layer, FP8Meta))
+  params = {"w": jnp.ones((3,))}
+  ckpts = Checkpoints(str(tmp_path / "a"))
+  ckpts.save(1, {"params": params, "fp8": old}, {"seed": 0})
+  fresh = jax.tree.map(jnp.zeros_like, _fp8_state())  # today's te-fp8 layer: one more array, fp8_core
+  restored = ckpts.restore(1, {"params": params, "fp8": fresh})
+  ckpts.close()
+  assert "no FP8 scaling state for fp8_core.value" in capsys.readouterr().err
+  np.testing.assert_array_equal(restored["fp8"]["fp8_core"][...], fresh["fp8_core"][...])  # afresh
+  del restored["fp8"]["fp8_core"]
+  jax.tree.map(np.testing.assert_array_equal, restored["fp8"], old)  # the rest exactly as saved

@@ -5,7 +5,8 @@ architecture fields and attention window, seed, data source, packing, and the ru
 trajectory settings) and, for te-fp8 runs, `fp8` (FP8 scaling state), written by orbax,
 plus our manifest (train.stepdirs), which is what marks the folder as ours and lets a
 restore prove it intact. A run may switch attention backend on resume: FP8 state is then
-dropped, or starts afresh. The batch of step s depends only on (seed, s), packed or not,
+dropped, or starts afresh; FP8 state this model keeps and an earlier attnlayers did not
+(te-fp8's core amax history) starts afresh, and the rest is restored. The batch of step s depends only on (seed, s), packed or not,
 so the step is the data position.
 
 orbax's CheckpointManager is not used: it takes every numeric folder for a step (it would
@@ -131,12 +132,34 @@ class Checkpoints:
     if "fp8" in like:
       state["fp8"] = like["fp8"]
       if like["fp8"] and os.path.isdir(os.path.join(path, "fp8")):
-        fp8 = jax.tree.map(ocp.utils.to_shape_dtype_struct, like["fp8"])
-        state["fp8"] = self._restore_items(path, fp8=ocp.args.StandardRestore(fp8))["fp8"]
+        state["fp8"] = self._restore_fp8(path, step, like["fp8"])
       elif like["fp8"]:
         _say(f"checkpoint step {step} has no FP8 scaling state (another backend wrote it): FP8 scaling starts afresh")
     self.last_good = step
     return state
+
+  def _restore_fp8(self, path: str, step: int, like):
+    """The saved FP8 scaling state in `like`'s structure. Arrays this model has and the checkpoint lacks, or holds
+    in another shape (it was written by an earlier attnlayers, whose te-fp8 kept less state), start afresh and a
+    line says which; the rest is restored exactly."""
+    saved = _one_line(f"read the FP8 metadata in {path}",
+                      lambda: self.checkpointer.metadata(path).item_metadata["fp8"].tree)
+    saved = ocp.tree.to_flat_dict(saved)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    keys = [_names(p) for p, _ in leaves]
+    fits = {k for k, (_, x) in zip(keys, leaves)
+            if k in saved and tuple(saved[k].shape) == tuple(x.shape) and np.dtype(saved[k].dtype) == np.dtype(x.dtype)}
+    if fits == set(keys) == set(saved):
+      target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+      return self._restore_items(path, fp8=ocp.args.StandardRestore(target))["fp8"]
+    sharding = leaves[0][1].sharding  # FP8 state is replicated
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding),
+                          ocp.tree.from_flat_dict(saved))
+    restored = ocp.tree.to_flat_dict(self._restore_items(path, fp8=ocp.args.StandardRestore(target))["fp8"])
+    fresh = [".".join(k) for k in keys if k not in fits]
+    _say(f"checkpoint step {step} holds no FP8 scaling state for {', '.join(fresh)} in this model's shapes (an "
+         "earlier attnlayers wrote it): that state starts afresh, the rest is restored")
+    return jax.tree_util.tree_unflatten(treedef, [restored[k] if k in fits else x for k, (_, x) in zip(keys, leaves)])
 
   def _restore_items(self, path: str, **items) -> dict:
     return _one_line(f"restore {', '.join(items)} from {path}",
@@ -160,6 +183,11 @@ class Checkpoints:
   def close(self) -> None:
     self.checkpointer.close()
     self.lock.release()
+
+
+def _names(path) -> tuple[str, ...]:
+  """A jax key path as the names orbax files its arrays under: ('blocks', '0', 'attn', 'fp8_core', 'value')."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def _one_line(what: str, call):
