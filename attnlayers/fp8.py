@@ -49,9 +49,9 @@ class FP8Recipe:
   """Which TE recipe scales the FP8 GEMMs; the defaults are TE's DelayedScaling as the codelab sets it."""
   kind: str = "delayed"  # "delayed" (DelayedScaling: scales from an amax history) or "current" (Float8CurrentScaling); GEMMs and FP8 core alike
   core: str = "fp8"  # the attention core: "fp8" (or refuse), "fp8-or-bf16", "bf16"; see attnlayers.spec.FP8_CORE_MODES
-  margin: int = 0  # delayed: scale = 2^-margin * fp8_max / amax
-  amax_history_len: int = 1024  # delayed: steps of amax kept
-  amax_compute_algo: str = "max"  # delayed: "max" of the history or "most_recent"
+  margin: int = 0  # delayed GEMMs: scale = 2^-margin * fp8_max / amax (the core: a power of two, no margin)
+  amax_history_len: int = 1024  # delayed: steps of amax kept (GEMMs and core)
+  amax_compute_algo: str = "max"  # delayed GEMMs: "max" of the history or "most_recent" (the core: always "max")
 
   def __post_init__(self):
     if self.kind not in ("delayed", "current"):

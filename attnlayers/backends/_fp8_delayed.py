@@ -11,7 +11,10 @@ State: `history` (3, L) float32, rows q, k, v, column 0 the latest step. The lay
 as an FP8Meta (attnlayers.fp8) and it advances the way TE's own FP8 state does: the gradient
 jax.grad returns for the history *is* the next history (this call's amaxes rolled in), so a
 training step that assigns its FP8Meta gradients (train/loop.py) advances it, and a forward
-alone leaves it as it was.
+alone leaves it as it was. As for TE's state, that needs one differentiated call per history
+per step: jax adds the cotangents of several uses (a layer applied twice in one loss, or
+under jax.vmap with one history), which would add next-histories; and a history no call
+used (fp8_core="fp8-or-bf16" running the bf16 kernel) gets a zero gradient, so it stays empty.
 
 Scales, the numerics rule of _fp8_core with the history's max in place of the current amax:
   q, k, v  scale = the largest power of two with max(history row) * scale <= 448; 1 while the
@@ -44,7 +47,9 @@ def quantize(x, scale):
 
 
 def roll(history, amax):
-  """The next history: this call's (3,) amaxes in column 0, the oldest column dropped."""
+  """The next history: this call's (3,) amaxes in column 0, the oldest column dropped. A non-finite amax (an
+  inf or NaN in q, k or v) enters as it is, and its row's scale is then 0 or from the other steps for L steps:
+  train/loop.py stops a run at its first non-finite loss, before that step's state is kept."""
   return jnp.concatenate([amax[:, None], history[:, :-1]], axis=1)  # (3, L)
 
 
