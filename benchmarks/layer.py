@@ -31,6 +31,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import attnlayers
+from attnlayers.fp8 import FP8Recipe
 from attnlayers.nnx import MultiHeadAttention
 from benchmarks import common, flops, packing, report, wrapper
 
@@ -169,7 +170,10 @@ def run_case(c: Case, matmul: float, calls: int, warmup: int, reference=None) ->
   kv = jax.ShapeDtypeStruct((c.B, c.T, c.K, c.H), jnp.dtype(c.dtype))
   backend = RAW[c.backend][0] if c.backend in RAW else c.backend  # a raw kernel needs what its backend needs
   ids = jax.ShapeDtypeStruct((c.B, c.T), jnp.int32)
-  explained = attnlayers.explain(backend, q, kv, kv, is_causal=c.causal, **_call_options(c, ids))
+  history = {}  # a te-fp8 layer (default recipe) scales its FP8 core from an amax history: explain() says so
+  if c.level == "layer" and backend == "te-fp8":
+    history = {"fp8_amax_history": jax.ShapeDtypeStruct((3, FP8Recipe().amax_history_len), jnp.float32)}
+  explained = attnlayers.explain(backend, q, kv, kv, is_causal=c.causal, **_call_options(c, ids), **history)
   if not explained.ok:
     return row | {"status": "unavailable", "reason": "; ".join(explained.unmet[backend])}
   if explained.notes and c.backend not in RAW:
