@@ -85,10 +85,14 @@ def _meta(x):
   return jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32)
 
 
+def pow2_scale(amax):
+  """The largest power of two `scale` with amax * scale <= 448 (amax float32, any shape; below 2^-60 counts as 2^-60)."""
+  return jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / jnp.maximum(amax, 2.0**-60))))
+
+
 def _quantize(x):
   """x -> (E4M3 x * scale, scale) with scale a power of two and max|x| * scale <= 448."""
-  amax = jnp.maximum(jnp.max(jnp.abs(x)).astype(jnp.float32), 2.0**-60)
-  scale = jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / amax)))
+  scale = pow2_scale(jnp.max(jnp.abs(x)).astype(jnp.float32))
   return (x.astype(jnp.float32) * scale).astype(E4M3), scale  # float32: fp16 cannot hold every 2^n
 
 

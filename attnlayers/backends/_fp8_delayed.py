@@ -31,13 +31,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attnlayers.backends._fp8_core import E4M3, E4M3_MAX, quantized_backward, quantized_forward
+from attnlayers.backends._fp8_core import E4M3, E4M3_MAX, pow2_scale, quantized_backward, quantized_forward
+
 
 def scales_from(history):
   """(3, L) amax history -> (3,) float32 scales: powers of two, max(row) * scale <= 448; 1 for an all-zero row."""
   amax = jnp.max(history, axis=1)  # (3,)
-  pow2 = jnp.exp2(jnp.floor(jnp.log2(E4M3_MAX / jnp.maximum(amax, 2.0**-60))))
-  return jnp.where(amax > 0, pow2, 1.0).astype(jnp.float32)
+  return jnp.where(amax > 0, pow2_scale(amax), 1.0).astype(jnp.float32)
 
 
 def quantize(x, scale):
@@ -74,4 +74,3 @@ def _attention_bwd(scale, is_causal, residuals, dout):
 
 
 attention.defvjp(_attention_fwd, _attention_bwd)
-
