@@ -47,7 +47,8 @@ class FP8Meta(nnx.Variable):
 @dataclasses.dataclass(frozen=True)
 class FP8Recipe:
   """Which TE recipe scales the FP8 GEMMs; the defaults are TE's DelayedScaling as the codelab sets it."""
-  kind: str = "delayed"  # "delayed" (DelayedScaling: scales from an amax history) or "current" (Float8CurrentScaling); GEMMs and FP8 core alike
+  # "delayed" (DelayedScaling: scales from an amax history) or "current" (Float8CurrentScaling); GEMMs and core alike
+  kind: str = "delayed"
   core: str = "fp8"  # the attention core: "fp8" (or refuse), "fp8-or-bf16", "bf16"; see attnlayers.spec.FP8_CORE_MODES
   margin: int = 0  # delayed GEMMs: scale = 2^-margin * fp8_max / amax (the core: a power of two, no margin)
   amax_history_len: int = 1024  # delayed: steps of amax kept (GEMMs and core)

@@ -19,8 +19,9 @@ parameter tree stays Flax's), and the output projection. Their scaling state is 
 variables beside the parameters (`fp8_qkv`, `out`; see attnlayers.fp8), and with delayed
 scaling (the default recipe) so is the FP8 attention core's: `fp8_core`, the (3, L) amax
 history of q, k and v its scales come from (attnlayers.backends._fp8_delayed). A training
-step must carry them: `nnx.split(layer, nnx.Param, FP8Meta)`, and assign their gradients. te-fp8 layers are self-attention
-layers (one input for q, k and v); cross-attention takes backend="te".
+step must carry them: `nnx.split(layer, nnx.Param, FP8Meta)`, and assign their gradients.
+te-fp8 layers are self-attention layers (one input for q, k and v); cross-attention takes
+backend="te".
 
 Added call arguments: `segment_ids=` (packed documents: (*batch, T) ids, 0 = padding, or a
 pair (q ids, kv ids) for cross-attention; see attnlayers.attention), `max_segments=` (the most
@@ -98,8 +99,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                max_segments=None, **kwargs):
     causal = self.is_causal if is_causal is None else is_causal
     window = self.sliding_window if sliding_window is spec.LAYER_DEFAULT else spec.check_window(sliding_window)
+    history = None if self.fp8_core is None else self.fp8_core[...]  # te-fp8, delayed: (3, L)
     extra = {name: x for name, x in (("segment_ids", segment_ids), ("window", window), ("max_segments", max_segments),
-                                     ("fp8_amax_history", None if self.fp8_core is None else self.fp8_core[...])) if x is not None}
+                                     ("fp8_amax_history", history)) if x is not None}
     if self.fp8_qkv is not None and not all(x is None or x is inputs_q for x in (inputs_k, inputs_v)):
       raise ValueError("backend='te-fp8' projects q, k and v of one input as one FP8 GEMM (self-attention); for "
                        "cross-attention (inputs_k / inputs_v other than inputs_q) use backend='te'")

@@ -6,8 +6,8 @@ trajectory settings) and, for te-fp8 runs, `fp8` (FP8 scaling state), written by
 plus our manifest (train.stepdirs), which is what marks the folder as ours and lets a
 restore prove it intact. A run may switch attention backend on resume: FP8 state is then
 dropped, or starts afresh; FP8 state this model keeps and an earlier attnlayers did not
-(te-fp8's core amax history) starts afresh, and the rest is restored. The batch of step s depends only on (seed, s), packed or not,
-so the step is the data position.
+(te-fp8's core amax history) starts afresh, and the rest is restored. The batch of step s
+depends only on (seed, s), packed or not, so the step is the data position.
 
 orbax's CheckpointManager is not used: it takes every numeric folder for a step (it would
 rotate a user's folder `7` away, and skip saves below a foreign `700`), while orbax's
