@@ -87,6 +87,13 @@ def test_roll_puts_the_latest_amax_first():
   np.testing.assert_array_equal(got, [[-1, 0, 1, 2], [-2, 4, 5, 6], [-3, 8, 9, 10]])
 
 
+def test_a_non_finite_amax_enters_the_history_as_nothing_measured():
+  history = jnp.full((3, 2), 4.0, jnp.float32)
+  got = _fp8_delayed.roll(history, jnp.array([jnp.inf, jnp.nan, 2.0]))
+  np.testing.assert_array_equal(got, [[0, 4], [0, 4], [2, 4]])
+  np.testing.assert_array_equal(_fp8_delayed.scales_from(got), _fp8_delayed.scales_from(history))
+
+
 @pytest.mark.parametrize("step", ["first", "later"])
 def test_delayed_core_matches_reference_and_its_gradient_is_the_next_history(cpu_kernels, step):
   q, k, v, dout = _inputs()

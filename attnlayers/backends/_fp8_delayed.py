@@ -48,8 +48,9 @@ def quantize(x, scale):
 
 def roll(history, amax):
   """The next history: this call's (3,) amaxes in column 0, the oldest column dropped. A non-finite amax (an
-  inf or NaN in q, k or v) enters as it is, and its row's scale is then 0 or from the other steps for L steps:
-  train/loop.py stops a run at its first non-finite loss, before that step's state is kept."""
+  inf or NaN in q, k or v) enters as 0, "nothing measured", so the row's scale comes from its other steps
+  instead of being 0 for L steps (train/loop.py stops a run at its first non-finite loss anyway)."""
+  amax = jnp.where(jnp.isfinite(amax), amax, 0.0)  # (3,)
   return jnp.concatenate([amax[:, None], history[:, :-1]], axis=1)  # (3, L)
 
 
