@@ -1,0 +1,50 @@
+"""train.optim: the grouped global norm and the clip built on it against optax's own."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from train import optim
+
+
+def _grads(scale: float) -> dict:
+  """A tree with shapes repeated across 'blocks' (as a GPT's parameters) and ones that occur once."""
+  keys = iter(jax.random.split(jax.random.key(0), 16))
+  block = lambda: {"w": jax.random.normal(next(keys), (8, 12)), "b": jax.random.normal(next(keys), (12,))}
+  return jax.tree.map(lambda x: x * scale, {"blocks": [block() for _ in range(3)],
+                                            "wte": jax.random.normal(next(keys), (20, 8)),
+                                            "scalar": jax.random.normal(next(keys), ())})
+
+
+def test_global_norm_is_optax_tree_norm():
+  g = _grads(1.0)
+  np.testing.assert_allclose(float(optim.global_norm(g)), float(optax.tree.norm(g)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 10.0], ids=["below max_norm", "above max_norm"])
+def test_clip_scales_as_optax_clip_by_global_norm(scale):
+  g = _grads(scale)
+  ours, _ = jax.jit(optim.clip_by_global_norm(1.0).update)(g, optax.EmptyState())
+  theirs, _ = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
+  norm = float(optax.tree.norm(ours))
+  assert norm == pytest.approx(min(1.0, float(optax.tree.norm(g))), rel=1e-5)
+
+
+def test_adamw_steps_as_the_optax_chain_it_replaces():
+  params = _grads(1.0)
+  ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optim.schedule(1e-2, 10, 2), b1=0.9, b2=0.95,
+                    weight_decay=0.1, mask=lambda ps: jax.tree.map(lambda p: p.ndim >= 2, ps)))
+  ours = optim.adamw(1e-2, 10, 2)
+  p_ref, p_ours, s_ref, s_ours = params, params, ref.init(params), ours.init(params)
+  for i in range(4):
+    g = _grads(3.0 ** i)  # clipped from the second step on
+    u, s_ref = ref.update(g, s_ref, p_ref)
+    p_ref = optax.apply_updates(p_ref, u)
+    u, s_ours = ours.update(g, s_ours, p_ours)
+    p_ours = optax.apply_updates(p_ours, u)
+  for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
