@@ -56,6 +56,18 @@ def test_te_fp8_core_matches_reference(case):
   cases.check("te-fp8", case, tolerance="fp8", **FP8_SHAPE)
 
 
+def test_fp16_output_of_a_tiny_v_is_dequantised_in_float32():
+  """Current scaling, max|v| ~ 4e-6: O's scale is then ~2^24, whose inverse fp16 cannot hold; O must still be v's size."""
+  case = dict(heads="GQA", causal=True, masked=False, dtype=jnp.float16)
+  q, k, v, _, _ = cases.inputs(case, **FP8_SHAPE)
+  tiny = 2.0 ** -20
+  out = jax.jit(lambda q, k, v: attnlayers.attention(q, k, v, backend="te-fp8", is_causal=True))(
+      q, k, (v.astype(jnp.float32) * tiny).astype(jnp.float16))
+  f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  want, _ = reference.forward(f64(q), f64(k), f64(v), is_causal=True)  # v unscaled: compare O / tiny
+  reference.assert_close(np.asarray(out, np.float64) / tiny, want, "fp8", "out", "fp16 core, max|v| ~ 4e-6")
+
+
 def test_te_fp8_core_runs_cudnn_fp8_forward_and_bf16_backward():
   q, k, v, dout, _ = cases.inputs(dict(heads="GQA", causal=True, masked=False, dtype=jnp.bfloat16), **FP8_SHAPE)
   attend, grad = grad_of("te-fp8", True, dout)
