@@ -18,6 +18,12 @@ def _grads(scale: float) -> dict:
                                             "scalar": jax.random.normal(next(keys), ())})
 
 
+def _optax_adamw():
+  """What optim.adamw(1e-2, 10, 2) was before it had its own clip: optax's chain."""
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optim.schedule(1e-2, 10, 2), b1=0.9, b2=0.95,
+                     weight_decay=0.1, mask=lambda ps: jax.tree.map(lambda p: p.ndim >= 2, ps)))
+
+
 def test_global_norm_is_optax_tree_norm():
   g = _grads(1.0)
   np.testing.assert_allclose(float(optim.global_norm(g)), float(optax.tree.norm(g)), rtol=1e-6)
@@ -36,8 +42,7 @@ def test_clip_scales_as_optax_clip_by_global_norm(scale):
 
 def test_adamw_steps_as_the_optax_chain_it_replaces():
   params = _grads(1.0)
-  ref = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optim.schedule(1e-2, 10, 2), b1=0.9, b2=0.95,
-                    weight_decay=0.1, mask=lambda ps: jax.tree.map(lambda p: p.ndim >= 2, ps)))
+  ref = _optax_adamw()
   ours = optim.adamw(1e-2, 10, 2)
   p_ref, p_ours, s_ref, s_ours = params, params, ref.init(params), ours.init(params)
   for i in range(4):
@@ -48,3 +53,16 @@ def test_adamw_steps_as_the_optax_chain_it_replaces():
     p_ours = optax.apply_updates(p_ours, u)
   for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_ref)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_mixed_dtypes_are_summed_in_their_promoted_dtype_and_non_floats_refused():
+  g = {"a": jnp.full((4,), 3.0, jnp.bfloat16), "b": jnp.full((4,), 4.0, jnp.float32)}  # same shape, two groups
+  assert float(optim.global_norm(g)) == pytest.approx(float(optax.tree.norm(g)), rel=1e-6)
+  with pytest.raises(ValueError, match=r"\['n'\] is int32"):
+    optim.global_norm({"n": jnp.ones((2,), jnp.int32)})
+
+
+def test_the_chain_state_has_optax_s_structure_so_earlier_checkpoints_restore():
+  params = _grads(1.0)
+  ref = _optax_adamw()
+  assert jax.tree.structure(optim.adamw(1e-2, 10, 2).init(params)) == jax.tree.structure(ref.init(params))
