@@ -21,7 +21,7 @@ import sys
 
 import attnlayers
 import models
-from benchmarks import common, report
+from benchmarks import clocks, common, report
 
 
 PACKINGS = ("unpacked", "packed")
@@ -29,11 +29,17 @@ PACK_NOTE = ("`packing`: unpacked windows of one text, or packed documents (trai
              "attention at document boundaries); neither pads, so tokens_per_s counts only real tokens. "
              "`vs_unpacked`: tokens_per_s over the unpacked run's of the same backend and shape. `val_loss`: at the "
              "last step, on the same unpacked held-out windows for both.")
+CLOCK_COLS = ("sm_mhz", "power_w", "power_capped_share", "busy_samples")  # per run, from benchmarks.clocks
 FP8_CORE = "fp8-or-bf16"  # te-fp8 rows: FP8 core where the model's head dim qualifies, else bf16
 COLUMN_NOTE = ("`vs_cudnn`: tokens_per_s over the cudnn run's of the same preset, shape and packing (same process). "
                "`mfu`: nanoGPT/PaLM model FLOPs (6N + 12·L·n_head·head_dim·T per token, full attention square "
                "even for causal) over the datasheet dense bf16 peak. `vs_matmul`: the same model FLOP/s over a "
-               "bf16 matmul of size `matmul_n`³ timed by this benchmark's parent process after the runs.")
+               "bf16 matmul of size `matmul_n`³ timed by this benchmark's parent process after the runs. "
+               "`sm_mhz`, `power_w`: medians over the nvidia-smi samples of the GPU taken while it was busy "
+               "(utilization >= 90%) during the run, `busy_samples` of them (power: nvidia-smi's ~1 s average); "
+               "`power_capped_share`: the fraction of those samples with the driver's software power cap active. "
+               "The same for a ~3 s run of the matmul, with the board's maximum SM clock and power limit: the "
+               "environment's `sustained_matmul_*` entries above.")
 
 
 def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int, timeout_s: float,
@@ -52,8 +58,9 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
     cmd += ["--fp8-core", FP8_CORE]
     row["fp8_core"] = FP8_CORE
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                          timeout=timeout_s)
+    with clocks.Sampler() as gpu:
+      proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            timeout=timeout_s)
   except subprocess.TimeoutExpired:
     return row | {"status": "error", "reason": f"did not finish within --run-timeout {timeout_s:.0f} s"}
   if proc.returncode != 0:
@@ -67,7 +74,14 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
                 "mfu": s["mfu"], "model_tflops": model_flops / 1e12,
                 "time_to_first_step_s": s["time_to_first_step_s"],
                 "peak_memory_gib": s["peak_memory_bytes"] and s["peak_memory_bytes"] / 2**30,
-                "final_loss": s["final_loss"], "val_loss": s.get("final_val_loss")}
+                "final_loss": s["final_loss"], "val_loss": s.get("final_val_loss"),
+                **_clocks(gpu)}
+
+
+def _clocks(gpu: clocks.Sampler) -> dict:
+  """A run's CLOCK_COLS, and clock_error where nvidia-smi printed something else."""
+  summary = gpu.summary()
+  return {k: summary[k] for k in CLOCK_COLS} | ({"clock_error": summary["error"]} if summary["error"] else {})
 
 
 def _reasons(stderr: str) -> str:
@@ -76,7 +90,7 @@ def _reasons(stderr: str) -> str:
 
 def table(rows: list[dict]) -> str:
   cols = ["backend", "preset", "fp8_core", "packing", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s",
-          "vs_unpacked", "vs_cudnn", "mfu", "vs_matmul", "time_to_first_step_s", "peak_memory_gib", "final_loss", "val_loss"]
+          "vs_unpacked", "vs_cudnn", "mfu", "vs_matmul", "time_to_first_step_s", "peak_memory_gib", "final_loss", "val_loss", *CLOCK_COLS]
   reasons = [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
   return report.markdown_table(rows, cols) + "\n" + "\n".join(reasons)
 
@@ -109,7 +123,11 @@ def main(argv=None) -> None:
         print(json.dumps(rows[-1]), flush=True)
   # after the runs: this process takes the GPU only once the children have let it go
   matmul = common.matmul_tflops(n=a.matmul_n)
-  env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": a.matmul_n}
+  with clocks.Sampler() as gpu:  # the yardstick's ~0.3 s is too short to sample: the same matmul for ~3 s
+    sustained = common.matmul_tflops(n=a.matmul_n, calls=200)
+  env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": a.matmul_n,
+                                "sustained_matmul_bf16_tflops": sustained} | {
+      f"sustained_matmul_{k}": v for k, v in gpu.summary().items()}
   for r in rows:
     if r["status"] == "ok":
       r["vs_matmul"] = r["model_tflops"] / matmul

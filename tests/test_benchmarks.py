@@ -134,6 +134,7 @@ def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
   assert (tmp_path / "train.csv").exists() and (tmp_path / "train_T32_tokens_per_s.png").exists()
   md = (tmp_path / "train.md").read_text()
   assert "| xla |" in md and "PaLM" in md  # the MFU convention is named beside the table
+  assert "sm_mhz" in md and (xla["busy_samples"], xla["sm_mhz"]) == (0, None)  # no nvidia-smi here: no clocks
 
 
 def test_train_benchmark_runs_packed_beside_unpacked_with_the_same_validation(tmp_path):
@@ -196,3 +197,45 @@ def test_decode_budget_stops_cleanly_and_still_writes_every_file(tmp_path):
   rows = json.load(open(tmp_path / "decode.json"))["rows"]
   assert rows and all(r["status"] == "skipped" and "--budget-s" in r["reason"] for r in rows)
   assert (tmp_path / "decode.csv").exists() and "not run" in (tmp_path / "decode.md").read_text()
+
+
+
+def test_clock_samples_parse_and_only_busy_ones_are_summarised():
+  from benchmarks import clocks
+  lines = ["1590, 1980, 690.5, 700.00, 100, 0x0000000000000004",  # busy, power-capped
+           "1980, 1980, 600.0, 700.00, 95, 0x0000000000000000",  # busy
+           "1620, 1980, 694.0, 700.00, 99, 0x0000000000000004",  # busy, power-capped
+           "345, 1980, 120.0, 700.00, 0, 0x0000000000000001",  # idle (compiling): not the work's
+           "[N/A], 1980, 120.0, 700.00, 0, 0x0"]  # unreadable
+  samples = [clocks.parse(line) for line in lines]
+  assert samples[-1] is None
+  got = clocks.summarize([s for s in samples if s])
+  assert got == {"sm_mhz": 1620.0, "sm_max_mhz": 1980.0, "power_w": 690.5, "power_limit_w": 700.0,
+                 "power_capped_share": 2 / 3, "busy_samples": 3}
+  idle = clocks.summarize(samples[3:4])  # the board's figures, but nothing about the work
+  assert idle["sm_mhz"] is None and idle["busy_samples"] == 0 and idle["sm_max_mhz"] == 1980.0
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, body: str):
+  """An executable `nvidia-smi` first on PATH that runs `body` (sh)."""
+  (tmp_path / "nvidia-smi").write_text("#!/bin/sh\n" + body + "\n")
+  (tmp_path / "nvidia-smi").chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("body, busy, error", [
+    ('while true; do echo "1600, 1980, 690.0, 700.00, 100, 0x4"; sleep 0.05; done', True, None),
+    ("sleep 1000", False, None),  # hangs: the block still ends
+    ('echo \'Field "clocks.max.sm" is not a valid field to query.\'; exit 2', False, "not a valid field"),
+], ids=["samples", "hangs", "fails"])
+def test_clock_sampler_reads_nvidia_smi_and_ends_whatever_it_does(tmp_path, monkeypatch, body, busy, error):
+  import time
+  from benchmarks import clocks
+  _fake_nvidia_smi(tmp_path, monkeypatch, body)
+  t = time.perf_counter()
+  with clocks.Sampler() as gpu:
+    time.sleep(0.5)
+  assert time.perf_counter() - t < 8
+  got = gpu.summary()
+  assert (got["busy_samples"] > 0) == busy and (got["sm_mhz"] == 1600.0) == busy
+  assert (error is None and got["error"] is None) or error in got["error"]
