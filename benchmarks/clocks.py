@@ -7,7 +7,7 @@ is idle (compiling, loading) say nothing about the work, so only busy ones (util
 are summarised. power.draw is nvidia-smi's own average (about 1 s on recent GPUs).
 
 No nvidia-smi (a CPU machine): no samples, summary fields None. An nvidia-smi that fails or prints
-lines that do not parse: the summary's `error` says what it printed.
+lines that do not parse: the summary's `error` says what it printed, or its exit code.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class Sampler:
     self.unparsed: list[str] = []  # lines that were not a sample (an error message, an unknown field)
     self._proc = None
     self._reader = None
+    self._exit_code = None  # nvidia-smi's, where it ended by itself (it samples until stopped)
 
   def __enter__(self) -> Sampler:
     cmd = shutil.which("nvidia-smi")
@@ -89,6 +90,7 @@ class Sampler:
   def __exit__(self, *exc) -> None:
     if self._proc is None:
       return
+    self._exit_code = self._proc.poll()
     self._proc.terminate()
     try:
       self._proc.wait(timeout=5)
@@ -102,4 +104,6 @@ class Sampler:
     error = None
     if self._proc is not None and self.unparsed:
       error = f"nvidia-smi printed {len(self.unparsed)} line(s) that are not samples, first: {self.unparsed[0]!r}"
+    elif self._exit_code:
+      error = f"nvidia-smi exited with code {self._exit_code} before it was stopped, printing nothing"
     return summarize(self.samples) | {"error": error}

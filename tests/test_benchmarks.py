@@ -227,7 +227,8 @@ def _fake_nvidia_smi(tmp_path, monkeypatch, body: str):
     ('while true; do echo "1600, 1980, 690.0, 700.00, 100, 0x4"; sleep 0.05; done', True, None),
     ("sleep 1000", False, None),  # hangs: the block still ends
     ('echo \'Field "clocks.max.sm" is not a valid field to query.\'; exit 2', False, "not a valid field"),
-], ids=["samples", "hangs", "fails"])
+    ("exit 3", False, "exited with code 3"),
+], ids=["samples", "hangs", "fails", "fails silently"])
 def test_clock_sampler_reads_nvidia_smi_and_ends_whatever_it_does(tmp_path, monkeypatch, body, busy, error):
   import time
   from benchmarks import clocks
