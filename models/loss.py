@@ -20,6 +20,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from models import softmax_grad
+
 # Most tokens per chunk. A chunk's float32 logits take C * V * 4 bytes (4096 * 50304 * 4 = 0.82 GB
 # for GPT-2's vocabulary; half that in bfloat16, as training takes them); the differentiated pass adds
 # their compute-dtype gradient (0.41 GB in bfloat16): about a fifth of gpt2-small's 6.6 GB float32 (N, V)
@@ -33,8 +35,25 @@ _CONTRACT_V = (((1,), (0,)), ((), ()))  # (C, V) x (V, D) -> (C, D)
 _CONTRACT_C = (((0,), (0,)), ((), ()))  # (C, V) x (C, D) -> (V, D)
 
 
+KERNELS = ("auto", "xla", "pallas", "interpret")  # how a differentiated chunk's softmax - onehot is computed
+
+
+def resolve_kernel(kernel: str = "auto") -> tuple[str, str]:
+  """(the kernel that `kernel` runs, why): "auto" picks "pallas" where it compiles (a GPU), else "xla";
+  "pallas" where it cannot compile raises, naming why and what would run."""
+  if kernel not in KERNELS:
+    raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
+  ok, why = softmax_grad.available()
+  if kernel == "auto":
+    return ("pallas", "a GPU: the Pallas kernel") if ok else ("xla", f"XLA fusions ({why})")
+  if kernel == "pallas" and not ok:
+    raise ValueError(f"kernel='pallas': {why}. Use kernel='xla' (XLA fusions, any backend), 'interpret' (the "
+                     "same kernel interpreted, slow) or 'auto'")
+  return kernel, "as asked"
+
+
 def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets: Int[Array, "B T"], *,
-                       chunk: int = DEFAULT_CHUNK, logits_dtype=jnp.float32) -> Float[Array, ""]:
+                       chunk: int = DEFAULT_CHUNK, logits_dtype=jnp.float32, kernel: str = "auto") -> Float[Array, ""]:
   """Mean over all B * T tokens of -log softmax(h @ w.T)[target], float32, never all (B, T, V) logits.
 
   h: hidden states after the final LayerNorm; w: the output projection (the tied token embedding,
@@ -48,6 +67,11 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   The softmax runs in float32 either way. Differentiable in h and w in reverse mode (a custom_vjp; no jvp): under jax.grad
   the loss pass also computes the gradients, kept as dh in h's dtype and dw in w's dtype; the
   backward scales them by the cotangent. Undifferentiated (evaluation), only the loss is computed.
+
+  kernel: how the differentiated pass turns each chunk's logits into softmax - onehot and the loss
+  (resolve_kernel says what "auto", the default, picks): "xla" (XLA fusions, any backend),
+  "pallas" (models.softmax_grad, one GPU kernel, about half the HBM passes) or "interpret" (that
+  kernel through the Pallas interpreter, any backend, slow: for tests). Same float32 formula.
   """
   if h.ndim != 3 or w.ndim != 2 or h.shape[-1] != w.shape[-1]:
     raise ValueError(f"h must be (B, T, D) and w (V, D) with the same D; got h {tuple(h.shape)}, w {tuple(w.shape)}")
@@ -67,7 +91,8 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   logits_dtype = jnp.dtype(logits_dtype)
   if logits_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(h.dtype)):
     raise ValueError(f"logits_dtype must be float32 or the compute dtype {h.dtype}; got {logits_dtype}")
-  return _head_cross_entropy(h, w, targets, chunk, logits_dtype)
+  kernel, _ = resolve_kernel(kernel)
+  return _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel)
 
 
 def _chunked(h, targets, chunk: int):
@@ -117,11 +142,12 @@ def _chunk_loss(h_c, w, t_c, real_c, logits_dtype):
   return jnp.sum(jnp.where(real_c, nll, 0.0)), logits, top, denom
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _head_cross_entropy(h, w, targets, chunk, logits_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel):
   B, T, _ = h.shape
   hs, ts, real = _chunked(h, targets, chunk)
 
+  del kernel  # evaluation computes no gradient: XLA's fusions are one read of each chunk
   def step(total, xs):
     total_c, _, _, _ = _chunk_loss(xs[0], w, xs[1], xs[2], logits_dtype)
     return total + total_c, None
@@ -130,7 +156,19 @@ def _head_cross_entropy(h, w, targets, chunk, logits_dtype):
   return total / (B * T)
 
 
-def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype):
+def _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel):
+  """One chunk's summed loss over real tokens and its d loss / d logits * N = softmax - onehot (C, V) in w's dtype,
+  padding rows 0."""
+  if kernel == "xla":
+    total_c, logits, top, denom = _chunk_loss(h_c, w, t_c, real_c, logits_dtype)
+    g = jnp.exp(logits - top) * (1 / denom) - jax.nn.one_hot(t_c, w.shape[0], dtype=jnp.float32)  # (C, V)
+    return total_c, jnp.where(real_c[:, None], g, 0.0).astype(w.dtype)  # (C, V) padding passes no gradient
+  logits = lax.dot_general(h_c, w, _CONTRACT_D, preferred_element_type=logits_dtype)  # (C, V)
+  g, nll = softmax_grad.softmax_grad(logits, t_c, real_c, w.dtype, interpret=kernel == "interpret")
+  return jnp.sum(nll), g
+
+
+def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype, kernel):
   """The loss and, in the same chunk loop, its gradients: d loss / d logits = (softmax - onehot) / N.
 
   The 1/N is applied to the float32 matmul results, not to softmax - onehot before its cast to the
@@ -142,9 +180,7 @@ def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype):
   def step(carry, xs):
     total, dw = carry
     h_c, t_c, real_c = xs  # (C, D), (C,), (C,)
-    total_c, logits, top, denom = _chunk_loss(h_c, w, t_c, real_c, logits_dtype)
-    g = jnp.exp(logits - top) * (1 / denom) - jax.nn.one_hot(t_c, V, dtype=jnp.float32)  # (C, V) softmax - onehot
-    g = jnp.where(real_c[:, None], g, 0.0).astype(w.dtype)  # (C, V) padding passes no gradient
+    total_c, g = _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel)  # (), (C, V) softmax - onehot
     dh_c = lax.dot_general(g, w, _CONTRACT_V, preferred_element_type=jnp.float32)  # (C, D)
     dw = dw + lax.dot_general(g, h_c, _CONTRACT_C, preferred_element_type=jnp.float32)  # (V, D)
     return (total + total_c, dw), (dh_c / N).astype(h.dtype)
@@ -154,7 +190,7 @@ def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype):
   return total / N, (_unchunked(dhs, B, T), (dw / N).astype(w.dtype))
 
 
-def _head_cross_entropy_bwd(chunk, logits_dtype, residuals, g):
+def _head_cross_entropy_bwd(chunk, logits_dtype, kernel, residuals, g):
   dh, dw = residuals  # (B, T, D), (V, D)
   return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None  # targets: ints, no cotangent
 

@@ -18,7 +18,7 @@ from flax import nnx
 
 import models
 from attnlayers.fp8 import FP8Meta
-from models.loss import head_cross_entropy
+from models.loss import head_cross_entropy, resolve_kernel
 from tests import reference
 from train import loop
 
@@ -26,6 +26,7 @@ B, T, D, V = 2, 7, 16, 41  # N = 14 tokens; sizes that no other dimension repeat
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # 4 and 5: N = 14 is no multiple (4 chunks of 4 with 2 padding, 3 of 5 with 1); 14: one chunk, exact; 64 > N
 CHUNKS = (1, 4, 5, 14, 64)
+KERNELS = ("xla", "interpret")  # "interpret": models.softmax_grad's Pallas kernel, run by the interpreter
 
 
 def _inputs(dtype, b=B, t=T, d=D, v=V):
@@ -58,14 +59,15 @@ def test_oracle_is_optax():
   reference.assert_close(t.size * dw, t.size * dw64, jnp.float32, "grad", "N * dw")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("chunk", CHUNKS, ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_matches_oracle(dtype, chunk, jit):
+def test_matches_oracle(dtype, chunk, jit, kernel):
   """Loss (evaluated and differentiated) and both gradients, in the inputs' dtypes."""
   h, w, t = _inputs(DTYPES[dtype])
   N = t.size
-  loss = lambda h, w: head_cross_entropy(h, w, t, chunk=chunk)
+  loss = lambda h, w: head_cross_entropy(h, w, t, chunk=chunk, kernel=kernel)
   scaled = lambda h, w: N * loss(h, w)  # cotangent N through the custom backward
   evaluate, grad = (jax.jit(loss), jax.jit(jax.value_and_grad(scaled, (0, 1)))) if jit else \
       (loss, jax.value_and_grad(scaled, (0, 1)))
@@ -89,13 +91,15 @@ def test_no_logits_of_every_token_in_the_program():
   assert not re.search(rf"\[{B * T},{V}\]|\[{B},{T},{V}\]", hlo)
 
 
-def test_large_logits_stay_finite():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_large_logits_stay_finite(kernel):
   """Logits past 88, where exp overflows float32 without the max shift: still the oracle's numbers. (Much
   larger ones would carry float32 rounding of the logits themselves past the float32 tolerance.)"""
   h, w, t = _inputs(jnp.float32)
   h = h * 10.0
   assert np.einsum("btd,vd->btv", np.asarray(h), np.asarray(w)).max() > 89  # exp(89) is inf in float32
-  value, (dh, dw) = jax.value_and_grad(lambda h, w: t.size * head_cross_entropy(h, w, t, chunk=4), (0, 1))(h, w)
+  value, (dh, dw) = jax.value_and_grad(
+      lambda h, w: t.size * head_cross_entropy(h, w, t, chunk=4, kernel=kernel), (0, 1))(h, w)
   ref, dh64, dw64 = _oracle(h, w, t)
   reference.assert_close(value / t.size, ref, jnp.float32, "out", "loss")
   reference.assert_close(dh, t.size * dh64, jnp.float32, "grad", "N * dh")
@@ -133,6 +137,35 @@ def test_one_pass_max_and_sumexp_is_the_two_pass_formula():
 def test_errors_name_the_values(make, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     head_cross_entropy(*make(*_inputs(jnp.float32)))
+
+
+def test_softmax_grad_kernel_on_long_rows_and_padding():
+  """models.softmax_grad (interpreted) on rows longer than one read of the kernel (V = 2 * BLOCK + 3), with
+  logits spread by 30, ties, and a padding row: softmax - onehot and the loss of the float64 formula."""
+  from models import softmax_grad
+  V = 2 * softmax_grad.BLOCK + 3
+  x = np.random.default_rng(1).normal(size=(4, V)).astype(np.float32) * 30
+  x[1] = 2.0  # all tied
+  t, real = np.array([0, 5, V - 1, 7]), np.array([1.0, 1.0, 1.0, 0.0], np.float32)
+  g, nll = softmax_grad.softmax_grad(jnp.asarray(x), jnp.asarray(t), jnp.asarray(real), jnp.float32, interpret=True)
+  x64 = x.astype(np.float64)
+  p = np.exp(x64 - x64.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  reference.assert_close(g, (p - np.eye(V)[t]) * real[:, None], jnp.float32, "grad", "softmax - onehot")
+  reference.assert_close(nll, -np.log(p[np.arange(4), t]) * real, jnp.float32, "out", "-log p(target)")
+
+
+def test_kernel_choice_is_said_and_checked():
+  """auto says what it picked and why; pallas where it cannot compile is refused with what would run."""
+  picked, why = resolve_kernel("auto")
+  assert (picked, "GPU" in why) == (("pallas", True) if jax.default_backend() == "gpu" else ("xla", True))
+  assert resolve_kernel("xla") == ("xla", "as asked")
+  with pytest.raises(ValueError, match=re.escape("kernel must be one of ('auto', 'xla', 'pallas', 'interpret'); "
+                                                 "got 'triton'")):
+    head_cross_entropy(*_inputs(jnp.float32), kernel="triton")
+  if jax.default_backend() != "gpu":
+    with pytest.raises(ValueError, match=r"kernel='pallas': .*needs a CUDA GPU.*Use kernel='xla'"):
+      head_cross_entropy(*_inputs(jnp.float32), kernel="pallas")
 
 
 @pytest.mark.parametrize("chunk", [0, -1, 2.5, True])

@@ -33,7 +33,7 @@ import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
 from models import generate
-from models.loss import head_cross_entropy
+from models.loss import head_cross_entropy, resolve_kernel
 from train import checkpoint, data, metrics, optim, sample, signals, stepdirs
 
 PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
@@ -98,7 +98,8 @@ def _loss(graphdef, params, fp8, batch: dict, dropout_key):
   """Mean cross-entropy over every target of `batch` (Batches: no padding, none left out, packed or not),
   float32. The output layer and loss run fused in chunks (models.loss): the (B, T, V) logits never exist.
   The logits come out of their GEMM in the compute dtype, as the model's own logits do (GPT.__call__) and as
-  nanoGPT's do under autocast; the softmax runs in float32."""
+  nanoGPT's do under autocast; the softmax runs in float32. Its softmax - onehot runs on the kernel that
+  models.loss.resolve_kernel("auto") names (the summary's "loss_kernel")."""
   model = nnx.merge(graphdef, params, fp8)
   rngs = nnx.Rngs(dropout=dropout_key) if model.cfg.dropout else None
   h = model.hidden(batch["inputs"], rngs=rngs, segment_ids=batch.get("segment_ids"),
@@ -371,6 +372,7 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
       "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
+      "loss_kernel": resolve_kernel("auto")[0],
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
   if cfg.sample_tokens:

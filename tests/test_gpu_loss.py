@@ -1,0 +1,56 @@
+"""On an NVIDIA GPU: the training loss's Pallas softmax-gradient kernel against the float64 oracle and
+XLA's fusions, at the test sizes and at gpt2-small's vocabulary, and proof that it ran."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import softmax_grad
+from models.loss import head_cross_entropy, resolve_kernel
+from tests import reference
+from tests.test_loss import DTYPES, _inputs, _oracle
+
+pytestmark = pytest.mark.gpu
+TRITON = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
+
+
+@pytest.mark.parametrize("chunk", [5, 64], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pallas_matches_oracle(dtype, chunk):
+  """V = 5003 (two reads of the kernel and a ragged end), chunks with and without padding."""
+  h, w, t = _inputs(DTYPES[dtype], v=5003)
+  N = t.size
+  value_n, (dh, dw) = jax.jit(jax.value_and_grad(
+      lambda h, w: N * head_cross_entropy(h, w, t, chunk=chunk, kernel="pallas"), (0, 1)))(h, w)
+  ref, dh64, dw64 = _oracle(h, w, t)
+  reference.assert_close(value_n / N, ref, dtype, "out", "loss")
+  reference.assert_close(dh, N * dh64, dtype, "grad", "N * dh")
+  reference.assert_close(dw, N * dw64, dtype, "grad", "N * dw")
+
+
+def test_auto_is_pallas_and_the_kernel_ran():
+  h, w, t = _inputs(jnp.bfloat16, v=5003)
+  assert resolve_kernel("auto")[0] == "pallas"
+  hlo = lambda kernel: jax.jit(jax.grad(lambda h, w: head_cross_entropy(h, w, t, kernel=kernel), (0, 1))).lower(
+      h, w).compile().as_text()
+  assert TRITON.search(hlo("auto")) and TRITON.search(hlo("pallas"))
+  assert not TRITON.search(hlo("xla"))
+
+
+def test_gpt2_vocabulary_chunk_matches_xla():
+  """One (512, 50304) bfloat16 chunk of logits spread like a trained model's: the kernel's softmax - onehot
+  and loss against XLA's float32 formula, padding rows zero."""
+  C, V = 512, 50304
+  x = (jax.random.normal(jax.random.key(0), (C, V)) * 3).astype(jnp.bfloat16)
+  t = jax.random.randint(jax.random.key(1), (C,), 0, V)
+  real = (jnp.arange(C) < C - 3).astype(jnp.float32)
+  g, nll = jax.jit(lambda x, t, r: softmax_grad.softmax_grad(x, t, r, jnp.bfloat16))(x, t, real)
+  xf = x.astype(jnp.float32)
+  ref_g = (jax.nn.softmax(xf) - jax.nn.one_hot(t, V)) * real[:, None]
+  ref_nll = -jnp.take_along_axis(jax.nn.log_softmax(xf), t[:, None], -1)[:, 0] * real
+  assert g.dtype == jnp.bfloat16 and not np.any(np.asarray(g[-3:], np.float32))
+  reference.assert_close(g, ref_g, jnp.bfloat16, "grad", "softmax - onehot")
+  reference.assert_close(nll, ref_nll, jnp.float32, "out", "-log p(target)")
