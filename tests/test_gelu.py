@@ -1,4 +1,4 @@
-"""models.gelu: jax.nn.gelu's values, and a derivative that matches a float64 formula and jax's own."""
+"""models.gelu: values and derivative against the tanh formula in float64, and against jax.nn.gelu's own."""
 
 from __future__ import annotations
 
@@ -24,12 +24,25 @@ def _dgelu64(x):
   return 0.5 * (1 + np.tanh(u)) + 0.5 * x * (1 - np.tanh(u) ** 2) * c * (1 + 3 * 0.044715 * x ** 2)
 
 
+def _gelu64(x):
+  """0.5 x (1 + tanh(c (x + 0.044715 x^3))) in float64."""
+  x = np.asarray(x, np.float64)
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_values_are_jax_gelu(dtype):
+def test_values_match_float64_formula_and_jax(dtype):
   x = _x(dtype)
   y = jax.jit(gelu)(x)
   assert y.dtype == x.dtype
-  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(jax.jit(jax.nn.gelu)(x), np.float32))
+  reference.assert_close(y, _gelu64(x), dtype, "out", "gelu")
+  reference.assert_close(y, jax.nn.gelu(x.astype(jnp.float32)), dtype, "out", "gelu vs jax.nn.gelu in float32")
+
+
+def test_bfloat16_values_are_the_float32_values_rounded():
+  x = _x(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(gelu(x), np.float32),
+                                np.asarray(gelu(x.astype(jnp.float32)).astype(jnp.bfloat16), np.float32))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
