@@ -10,8 +10,9 @@ median of 63.25 ms/step against 63.87 ms with the tanh form (both with models.so
 
 The backward saves x alone and recomputes the sigmoid (arithmetic instead of memory traffic):
 differentiating jax.nn.gelu would keep intermediates of the forward, each a (B, T, 4D) array.
-Both directions compute in float32 and round once to x's dtype; float32 values agree with
-jax.nn.gelu(approximate=True) to a few float32 ulps.
+Both directions compute in float32 and round once to x's dtype. Float32 values agree with
+jax.nn.gelu(approximate=True) within 5e-6 absolute; for negative x, where jax's 1 + tanh(u) cancels,
+these are the more accurate (at x = -5 jax gives -0, this -2.29e-7, the formula's value).
 """
 
 from __future__ import annotations

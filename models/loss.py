@@ -39,13 +39,17 @@ KERNELS = ("auto", "xla", "pallas", "interpret")  # how a differentiated chunk's
 
 
 def resolve_kernel(kernel: str = "auto") -> tuple[str, str]:
-  """(the kernel that `kernel` runs, why): "auto" picks "pallas" where it compiles (a GPU), else "xla";
+  """(the kernel that `kernel` runs, why): "auto" picks "pallas" where it compiles (a GPU) and the process
+  has one device, else "xla";
   "pallas" where it cannot compile raises, naming why and what would run."""
   if kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
   ok, why = softmax_grad.available()
   if kernel == "auto":
-    return ("pallas", "a GPU: the Pallas kernel") if ok else ("xla", f"XLA fusions ({why})")
+    if ok and jax.device_count() > 1:  # a pallas_call has no sharding rule: each device would run every chunk whole
+      return "xla", (f"XLA fusions ({jax.device_count()} devices: the Pallas kernel has no sharding rule, and XLA's "
+                     "fusions split each chunk's tokens over the devices)")
+    return ("pallas", "one GPU: the Pallas kernel") if ok else ("xla", f"XLA fusions ({why})")
   if kernel == "pallas" and not ok:
     raise ValueError(f"kernel='pallas': {why}. Use kernel='xla' (XLA fusions, any backend), 'interpret' (the "
                      "same kernel interpreted, slow) or 'auto'")

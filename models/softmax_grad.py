@@ -34,24 +34,26 @@ WARPS = 4  # On the H200, for a (4096, 50304) bfloat16 chunk: 0.381 ms against 0
 
 
 def available() -> tuple[bool, str]:
-  """(True, "") where the kernel compiles (a CUDA GPU), else (False, why)."""
+  """(True, "") where the kernel compiles (the default backend is a GPU), else (False, why)."""
   platform = jax.default_backend()
   if platform != "gpu":
-    return False, f"the Pallas softmax-gradient kernel needs a CUDA GPU (Triton); the default backend is {platform}"
+    return False, f"the Pallas softmax-gradient kernel needs a GPU (Pallas's Triton backend); the default backend is {platform}"
   return True, ""
 
 
 def softmax_grad(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Float[Array, "C"], out_dtype, *,
                  interpret: bool = False) -> tuple[Float[Array, "C V"], Float[Array, "C"]]:
-  """(softmax(logits) - onehot(targets)) * real as out_dtype, and -log softmax(logits)[target] * real
-  (float32); real is 1 for a token and 0 for padding (its row of the gradient is 0, its loss 0)."""
+  """(softmax(logits) - onehot(targets)) * real as out_dtype, and -log softmax(logits)[target] (float32);
+  real is 1 for a token and 0 for padding. A padding row's loss is 0, and its gradient row 0 where the
+  row is finite (head_cross_entropy pads with zero logits). A token whose target lies outside [0, V)
+  (unchecked under jit) gets a NaN loss and softmax as its gradient row."""
   C, V = logits.shape
   if targets.shape != (C,) or real.shape != (C,):
     raise ValueError(f"targets and real must be (C,) = ({C},); got {tuple(targets.shape)}, {tuple(real.shape)}")
   blocks = -(-V // BLOCK)
   row = lambda i: (i, 0)
   one = lambda i: (i,)
-  return pl.pallas_call(
+  g, nll = pl.pallas_call(
       functools.partial(_kernel, V=V, blocks=blocks),
       grid=(C,),
       in_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
@@ -60,6 +62,8 @@ def softmax_grad(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Fl
       compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
       interpret=interpret,
   )(logits, targets.astype(jnp.int32), real.astype(jnp.float32))
+  nll = jnp.where((targets < 0) | (targets >= V), jnp.nan, nll)  # (C,) the kernel would read another logit
+  return g, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
 
 
 def _kernel(x_ref, t_ref, real_ref, g_ref, nll_ref, *, V: int, blocks: int):

@@ -139,33 +139,63 @@ def test_errors_name_the_values(make, message):
     head_cross_entropy(*make(*_inputs(jnp.float32)))
 
 
-def test_softmax_grad_kernel_on_long_rows_and_padding():
-  """models.softmax_grad (interpreted) on rows longer than one read of the kernel (V = 2 * BLOCK + 3), with
-  logits spread by 30, ties, and a padding row: softmax - onehot and the loss of the float64 formula."""
+@pytest.mark.parametrize("blocks", [1, 2.5], ids=["V=BLOCK", "V=2.5BLOCK"])
+def test_softmax_grad_kernel_on_long_rows_and_padding(blocks):
+  """models.softmax_grad (interpreted) on rows of one whole read of the kernel and of a ragged 2.5, with
+  logits spread by 30, ties, -inf entries, and a padding row: softmax - onehot and the loss of the float64
+  formula."""
   from models import softmax_grad
-  V = 2 * softmax_grad.BLOCK + 3
-  x = np.random.default_rng(1).normal(size=(4, V)).astype(np.float32) * 30
+  V = int(blocks * softmax_grad.BLOCK)
+  x = np.random.default_rng(1).normal(size=(5, V)).astype(np.float32) * 30
   x[1] = 2.0  # all tied
-  t, real = np.array([0, 5, V - 1, 7]), np.array([1.0, 1.0, 1.0, 0.0], np.float32)
+  x[2, 1::3] = -np.inf
+  t, real = np.array([0, 5, V - 1, 7, 3]), np.array([1.0, 1.0, 1.0, 1.0, 0.0], np.float32)
   g, nll = softmax_grad.softmax_grad(jnp.asarray(x), jnp.asarray(t), jnp.asarray(real), jnp.float32, interpret=True)
   x64 = x.astype(np.float64)
   p = np.exp(x64 - x64.max(1, keepdims=True))
   p /= p.sum(1, keepdims=True)
   reference.assert_close(g, (p - np.eye(V)[t]) * real[:, None], jnp.float32, "grad", "softmax - onehot")
-  reference.assert_close(nll, -np.log(p[np.arange(4), t]) * real, jnp.float32, "out", "-log p(target)")
+  reference.assert_close(nll, -np.log(p[np.arange(5), t]) * real, jnp.float32, "out", "-log p(target)")
 
 
-def test_kernel_choice_is_said_and_checked():
-  """auto says what it picked and why; pallas where it cannot compile is refused with what would run."""
-  picked, why = resolve_kernel("auto")
-  assert (picked, "GPU" in why) == (("pallas", True) if jax.default_backend() == "gpu" else ("xla", True))
+def test_softmax_grad_kernel_bad_targets_and_padding():
+  """Under jit (targets unchecked): a target outside [0, V) gives a NaN loss, as no logit is its; a padding
+  row that is not finite still gives loss 0."""
+  from models import softmax_grad
+  V = 37
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(4, V)), jnp.float32).at[3].set(jnp.nan)
+  t, real = jnp.array([-1, V, 4, 0]), jnp.array([1.0, 1.0, 1.0, 0.0])
+  _, nll = jax.jit(lambda x, t, r: softmax_grad.softmax_grad(x, t, r, jnp.float32, interpret=True))(x, t, real)
+  assert np.isnan(nll[:2]).all() and np.isfinite(nll[2]) and nll[3] == 0.0
+
+
+def test_interpret_runs_the_pallas_kernel():
+  """kernel="interpret" really traces the Pallas kernel into the differentiated pass; "xla" does not."""
+  h, w, t = _inputs(jnp.float32)
+  jaxpr = lambda kernel: str(jax.make_jaxpr(jax.grad(lambda h, w: head_cross_entropy(h, w, t, chunk=4, kernel=kernel),
+                                                     (0, 1)))(h, w))
+  assert "pallas_call" in jaxpr("interpret") and "pallas_call" not in jaxpr("xla")
+
+
+def test_kernel_choice_is_said_and_checked(monkeypatch):
+  """auto says what it picked and why; pallas where it cannot compile is refused with what would run; with
+  several devices auto keeps XLA's fusions (the kernel has no sharding rule)."""
+  from models import softmax_grad
+  if jax.default_backend() == "gpu" and jax.device_count() == 1:
+    assert resolve_kernel("auto") == ("pallas", "one GPU: the Pallas kernel")
+  elif jax.default_backend() != "gpu":
+    picked, why = resolve_kernel("auto")
+    assert picked == "xla" and why.startswith("XLA fusions (the Pallas softmax-gradient kernel needs a GPU")
+    with pytest.raises(ValueError, match=r"kernel='pallas': .*needs a GPU.*Use kernel='xla'"):
+      head_cross_entropy(*_inputs(jnp.float32), kernel="pallas")
   assert resolve_kernel("xla") == ("xla", "as asked")
   with pytest.raises(ValueError, match=re.escape("kernel must be one of ('auto', 'xla', 'pallas', 'interpret'); "
                                                  "got 'triton'")):
     head_cross_entropy(*_inputs(jnp.float32), kernel="triton")
-  if jax.default_backend() != "gpu":
-    with pytest.raises(ValueError, match=r"kernel='pallas': .*needs a CUDA GPU.*Use kernel='xla'"):
-      head_cross_entropy(*_inputs(jnp.float32), kernel="pallas")
+  monkeypatch.setattr(softmax_grad, "available", lambda: (True, ""))
+  monkeypatch.setattr(jax, "device_count", lambda: 2)
+  picked, why = resolve_kernel("auto")
+  assert picked == "xla" and "2 devices: the Pallas kernel has no sharding rule" in why
 
 
 @pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
