@@ -6,7 +6,8 @@ give backward and optimizer time. The loss is the training loss (train.loop._los
 output layer fused with the cross-entropy in chunks, models.loss), and the step differentiates
 with respect to the FP8 scaling state too, as training does (te-fp8). Also the output layer + loss
 alone, both ways: float32 (B, T, V) logits + optax, and fused (logits are the largest
-activation of a GPT-2-sized vocabulary).
+activation of a GPT-2-sized vocabulary); the fused loss's softmax - onehot on the kernel that
+"auto" picks ("loss_kernel" in the printed config) and on XLA's fusions.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import attnlayers
 import models
 from benchmarks import common
 from attnlayers.fp8 import FP8Meta
-from models.loss import head_cross_entropy
+from models.loss import head_cross_entropy, resolve_kernel
 from train import optim
 from train.loop import _loss
 
@@ -68,8 +69,11 @@ def main(argv=None) -> None:
       "output layer+fused loss fwd+bwd": common.time_fn(jax.jit(jax.grad(fused_head_loss, (0, 1))), wte, h, y),
       "... fused, bf16 logits fwd+bwd": common.time_fn(jax.jit(jax.grad(
           lambda w, h, y: head_cross_entropy(h, w.astype(h.dtype), y, logits_dtype=h.dtype), (0, 1))), wte, h, y),
+      "... the same, XLA fusions": common.time_fn(jax.jit(jax.grad(
+          lambda w, h, y: head_cross_entropy(h, w.astype(h.dtype), y, logits_dtype=h.dtype, kernel="xla"),
+          (0, 1))), wte, h, y),
   }
-  print(json.dumps({"config": a.__dict__} | common.environment()))
+  print(json.dumps({"config": a.__dict__, "loss_kernel": resolve_kernel("auto")} | common.environment()))
   for name, t in parts.items():
     print(f"{name:>31}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")
 
