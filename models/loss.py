@@ -40,8 +40,7 @@ KERNELS = ("auto", "xla", "pallas", "interpret")  # how a differentiated chunk's
 
 def resolve_kernel(kernel: str = "auto") -> tuple[str, str]:
   """(the kernel that `kernel` runs, why): "auto" picks "pallas" where it compiles (a GPU) and the process
-  has one device, else "xla";
-  "pallas" where it cannot compile raises, naming why and what would run."""
+  has one device, else "xla"; "pallas" where it cannot compile raises, naming why and what would run."""
   if kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
   ok, why = softmax_grad.available()
@@ -74,7 +73,7 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
 
   kernel: how the differentiated pass turns each chunk's logits into softmax - onehot and the loss
   (resolve_kernel says what "auto", the default, picks): "xla" (XLA fusions, any backend),
-  "pallas" (models.softmax_grad, one GPU kernel, about half the HBM passes) or "interpret" (that
+  "pallas" (models.softmax_grad: one GPU kernel for XLA's two fusions, faster) or "interpret" (that
   kernel through the Pallas interpreter, any backend, slow: for tests). Same float32 formula.
   """
   if h.ndim != 3 or w.ndim != 2 or h.shape[-1] != w.shape[-1]:
@@ -148,10 +147,10 @@ def _chunk_loss(h_c, w, t_c, real_c, logits_dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel):
+  del kernel  # evaluation computes no gradient: XLA's fusions are one read of each chunk
   B, T, _ = h.shape
   hs, ts, real = _chunked(h, targets, chunk)
 
-  del kernel  # evaluation computes no gradient: XLA's fusions are one read of each chunk
   def step(total, xs):
     total_c, _, _, _ = _chunk_loss(xs[0], w, xs[1], xs[2], logits_dtype)
     return total + total_c, None
