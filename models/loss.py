@@ -38,12 +38,13 @@ _CONTRACT_C = (((0,), (0,)), ((), ()))  # (C, V) x (C, D) -> (V, D)
 KERNELS = ("auto", "xla", "pallas", "interpret")  # how a differentiated chunk's softmax - onehot is computed
 
 
-def resolve_kernel(kernel: str = "auto") -> tuple[str, str]:
-  """(the kernel that `kernel` runs, why): "auto" picks "pallas" where it compiles (a GPU) and the process
-  has one device, else "xla"; "pallas" where it cannot compile raises, naming why and what would run."""
+def resolve_kernel(kernel: str = "auto", *arrays) -> tuple[str, str]:
+  """(the kernel that `kernel` runs, why): "auto" picks "pallas" where it compiles (a GPU: where `arrays` live,
+  or where jit places work) and the process has one device, else "xla"; "pallas" where it cannot compile
+  raises, naming why and what would run."""
   if kernel not in KERNELS:
     raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
-  ok, why = softmax_grad.available()
+  ok, why = softmax_grad.available(*arrays)
   if kernel == "auto":
     if ok and jax.device_count() > 1:  # a pallas_call has no sharding rule: each device would run every chunk whole
       return "xla", (f"XLA fusions ({jax.device_count()} devices: the Pallas kernel has no sharding rule, and XLA's "
@@ -94,7 +95,7 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   logits_dtype = jnp.dtype(logits_dtype)
   if logits_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(h.dtype)):
     raise ValueError(f"logits_dtype must be float32 or the compute dtype {h.dtype}; got {logits_dtype}")
-  kernel, _ = resolve_kernel(kernel)
+  kernel, _ = resolve_kernel(kernel, h, w)
   return _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel)
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 import models
 from attnlayers.fp8 import FP8Meta
+from models import softmax_grad
 from models.loss import head_cross_entropy, resolve_kernel
 from tests import reference
 from train import loop
@@ -144,7 +145,6 @@ def test_softmax_grad_kernel_on_long_rows_and_padding(blocks):
   """models.softmax_grad (interpreted) on rows of one whole read of the kernel and of a ragged 2.5, with
   logits spread by 30, ties, -inf entries, and a padding row: softmax - onehot and the loss of the float64
   formula."""
-  from models import softmax_grad
   V = int(blocks * softmax_grad.BLOCK)
   x = np.random.default_rng(1).normal(size=(5, V)).astype(np.float32) * 30
   x[1] = 2.0  # all tied
@@ -161,7 +161,6 @@ def test_softmax_grad_kernel_on_long_rows_and_padding(blocks):
 def test_softmax_grad_kernel_bad_targets_and_padding():
   """Under jit (targets unchecked): a target outside [0, V) gives a NaN loss, as no logit is its; a padding
   row that is not finite still gives loss 0."""
-  from models import softmax_grad
   V = 37
   x = jnp.asarray(np.random.default_rng(2).normal(size=(4, V)), jnp.float32).at[3].set(jnp.nan)
   t, real = jnp.array([-1, V, 4, 0]), jnp.array([1.0, 1.0, 1.0, 0.0])
@@ -180,7 +179,6 @@ def test_interpret_runs_the_pallas_kernel():
 def test_kernel_choice_is_said_and_checked(monkeypatch):
   """auto says what it picked and why; pallas where it cannot compile is refused with what would run; with
   several devices auto keeps XLA's fusions (the kernel has no sharding rule)."""
-  from models import softmax_grad
   if jax.default_backend() == "gpu" and jax.device_count() == 1:
     assert resolve_kernel("auto") == ("pallas", "one GPU: the Pallas kernel")
   elif jax.default_backend() != "gpu":
@@ -192,7 +190,7 @@ def test_kernel_choice_is_said_and_checked(monkeypatch):
   with pytest.raises(ValueError, match=re.escape("kernel must be one of ('auto', 'xla', 'pallas', 'interpret'); "
                                                  "got 'triton'")):
     head_cross_entropy(*_inputs(jnp.float32), kernel="triton")
-  monkeypatch.setattr(softmax_grad, "available", lambda: (True, ""))
+  monkeypatch.setattr(softmax_grad, "available", lambda *arrays: (True, ""))
   monkeypatch.setattr(jax, "device_count", lambda: 2)
   picked, why = resolve_kernel("auto")
   assert picked == "xla" and "2 devices: the Pallas kernel has no sharding rule" in why
