@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from models import softmax_grad
+from models import kernels, softmax_grad
 
 # Most tokens per chunk. A chunk's float32 logits take C * V * 4 bytes (4096 * 50304 * 4 = 0.82 GB
 # for GPT-2's vocabulary; half that in bfloat16, as training takes them); the differentiated pass adds
@@ -35,25 +35,12 @@ _CONTRACT_V = (((1,), (0,)), ((), ()))  # (C, V) x (V, D) -> (C, D)
 _CONTRACT_C = (((0,), (0,)), ((), ()))  # (C, V) x (C, D) -> (V, D)
 
 
-KERNELS = ("auto", "xla", "pallas", "interpret")  # how a differentiated chunk's softmax - onehot is computed
+KERNELS = kernels.KERNELS  # how a differentiated chunk's softmax - onehot is computed (models.kernels)
 
 
 def resolve_kernel(kernel: str = "auto", *arrays) -> tuple[str, str]:
-  """(the kernel that `kernel` runs, why): "auto" picks "pallas" where it compiles (a GPU: where `arrays` live,
-  or where jit places work) and the process has one device, else "xla"; "pallas" where it cannot compile
-  raises, naming why and what would run."""
-  if kernel not in KERNELS:
-    raise ValueError(f"kernel must be one of {KERNELS}; got {kernel!r}")
-  ok, why = softmax_grad.available(*arrays)
-  if kernel == "auto":
-    if ok and jax.device_count() > 1:  # a pallas_call has no sharding rule: each device would run every chunk whole
-      return "xla", (f"XLA fusions ({jax.device_count()} devices: the Pallas kernel has no sharding rule, and XLA's "
-                     "fusions split each chunk's tokens over the devices)")
-    return ("pallas", "one GPU: the Pallas kernel") if ok else ("xla", f"XLA fusions ({why})")
-  if kernel == "pallas" and not ok:
-    raise ValueError(f"kernel='pallas': {why}. Use kernel='xla' (XLA fusions, any backend), 'interpret' (the "
-                     "same kernel interpreted, slow) or 'auto'")
-  return kernel, "as asked"
+  """(the kernel that `kernel` runs, why): models.kernels.resolve, the one rule for the models' Pallas kernels."""
+  return kernels.resolve(kernel, *arrays)
 
 
 def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets: Int[Array, "B T"], *,

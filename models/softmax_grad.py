@@ -14,8 +14,8 @@ would take about 0.26 ms (the second read does not come from L2: a 100 KB row pe
 thousands of programs in flight do not fit). Holding the whole row in registers instead (one
 read) spilled and ran 1.6 ms or more.
 
-`available(*arrays)` says whether it can run where the arrays are (a CUDA GPU); `interpret=True` runs the same kernel
-on any backend (slowly), which is how the CPU tests check it.
+models.kernels says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any backend
+(slowly), which is how the CPU tests check it.
 """
 
 from __future__ import annotations
@@ -28,21 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from attnlayers import device
-
 BLOCK = 2048  # logits per row read at a time (a power of two, as Triton's blocks must be)
 WARPS = 4  # On the H200, for a (4096, 50304) bfloat16 chunk: 0.381 ms against 0.505 ms for the XLA fusions;
 # 1024 or 4096 logits a read, 8 or 16 warps, or the second sweep run backwards were as fast or slower.
-
-
-def available(*arrays) -> tuple[bool, str]:
-  """(True, "") where the kernel compiles, else (False, why): on the device the arrays live on, or where jit
-  places traced work (attnlayers.device.of), a CUDA GPU."""
-  info = device.of(*arrays)
-  if not info.is_cuda:
-    return False, (f"the Pallas softmax-gradient kernel needs a GPU (Pallas's Triton backend, CUDA); the device is "
-                   f"{info.describe()}")
-  return True, ""
 
 
 def softmax_grad(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Float[Array, "C"], out_dtype, *,
