@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.kernels import KERNELS
+
 WINDOW_KINDS = ("local", "global")  # window_pattern's words: the layer uses the sliding window, or sees every token
 
 
@@ -26,6 +28,7 @@ class GPTConfig:
   window: int | None = None  # sliding window: each query sees itself and the window - 1 tokens before it; None = all
   window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled over the layers
   max_segments: int | None = None  # packed rows: the most documents one holds (te runs B * max_segments sequences); None: seq_len
+  kernels: str = "auto"  # the training step's own GPU kernels (LayerNorm backward, loss): models.kernels.KERNELS
 
   def __post_init__(self):
     kv = self.n_kv_head or self.n_head
@@ -35,6 +38,8 @@ class GPTConfig:
       raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
     if self.fp8_core != "fp8" and self.backend != "te-fp8":
       raise ValueError(f"fp8_core={self.fp8_core!r} applies to backend 'te-fp8' only; got backend {self.backend!r}")
+    if self.kernels not in KERNELS:
+      raise ValueError(f"kernels must be one of {KERNELS} (models.kernels); got {self.kernels!r}")
     self._check_window()
 
   def _check_window(self) -> None:

@@ -34,6 +34,7 @@ from attnlayers.fp8 import FP8Recipe, use_fp8_dense
 from attnlayers.nnx import MultiHeadAttention
 from models.config import GPTConfig
 from models.gelu import gelu
+from models.layernorm import residual_norm
 
 
 class Block(nnx.Module):
@@ -42,6 +43,7 @@ class Block(nnx.Module):
     proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layer))
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     self.max_segments = cfg.max_segments  # bound on documents per packed row (attnlayers max_segments)
+    self.kernels = cfg.kernels  # the LayerNorm backward's (models.kernels)
     self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     recipe = FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None  # te-fp8: every GEMM but the head
     self.attn = MultiHeadAttention(
@@ -61,10 +63,11 @@ class Block(nnx.Module):
                lengths: Int[Array, "B"] | None = None,
                segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
     drop = lambda y: self.dropout(y, deterministic=rngs is None, rngs=rngs)
-    h = self.ln1(x)
+    x, h = residual_norm(self.ln1, x, kernel=self.kernels)  # x passes through: its gradient meets LayerNorm's
     packed = {} if segment_ids is None or self.max_segments is None else {"max_segments": self.max_segments}
     x = x + drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids, **packed))
-    return x + drop(self.proj(gelu(self.fc(self.ln2(x)))))
+    x, h = residual_norm(self.ln2, x, kernel=self.kernels)
+    return x + drop(self.proj(gelu(self.fc(h))))
 
 
 class GPT(nnx.Module):
@@ -148,7 +151,7 @@ class GPT(nnx.Module):
     if last_only:
       last = (jnp.full((B,), T) if lengths is None else jnp.asarray(lengths)) - 1  # (B,)
       x = jnp.take_along_axis(x, jnp.maximum(last, 0)[:, None, None], axis=1)  # (B, 1, D)
-    return self.ln_f(x)  # (B, T, D)
+    return residual_norm(self.ln_f, x, kernel=self.cfg.kernels)[1]  # (B, T, D) ln_f(x)
 
   def _decode_positions(self, B: int, T: int, lengths) -> Int[Array, "B T"]:
     """Each token's position: its row's cache_index + t; padding tokens (t >= lengths) get 0."""

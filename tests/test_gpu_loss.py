@@ -54,3 +54,22 @@ def test_gpt2_vocabulary_chunk_matches_xla():
   assert g.dtype == jnp.bfloat16 and not np.any(np.asarray(g[-3:], np.float32))
   reference.assert_close(g, ref_g, jnp.bfloat16, "grad", "softmax - onehot")
   reference.assert_close(nll, ref_nll, jnp.float32, "out", "-log p(target)")
+
+
+def test_gpt2_vocabulary_chunk_float32_output():
+  """The same chunk with a float32 gradient out, at float32's tolerance; each row of softmax - onehot sums to 0,
+  which checks the many small entries together."""
+  C, V = 512, 50304
+  x = (jax.random.normal(jax.random.key(0), (C, V)) * 3).astype(jnp.bfloat16)
+  t = jax.random.randint(jax.random.key(1), (C,), 0, V)
+  real = jnp.ones((C,), jnp.float32)
+  g, nll = jax.jit(lambda x, t, r: softmax_grad.softmax_grad(x, t, r, jnp.float32))(x, t, real)
+  x64 = np.asarray(x, np.float64)
+  p64 = np.exp(x64 - x64.max(-1, keepdims=True))
+  p64 /= p64.sum(-1, keepdims=True)
+  ref_g = p64.copy()
+  ref_g[np.arange(C), np.asarray(t)] -= 1
+  assert g.dtype == jnp.float32
+  reference.assert_close(g, ref_g, jnp.float32, "grad", "softmax - onehot")
+  reference.assert_close(g.sum(-1), np.zeros(C), jnp.float32, "grad", "row sums")
+  reference.assert_close(nll, -np.log(p64[np.arange(C), np.asarray(t)]), jnp.float32, "out", "-log p(target)")

@@ -90,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--fp8-core", choices=spec.FP8_CORE_MODES, default="fp8",
                  help="--attn te-fp8 only: its attention core in FP8 (refused where cuDNN's FP8 attention cannot "
                       "take the model, e.g. head dim != 128), FP8 where it can else bf16, or bf16")
+  p.add_argument("--kernels", choices=models.KERNELS, default="auto",
+                 help="the step's own GPU kernels (the LayerNorm backward, the loss's softmax gradient): Pallas ones "
+                      "(pallas; refused off a CUDA GPU), XLA's fusions (xla), or auto: pallas on one CUDA GPU, else xla")
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
   p.add_argument("--vocab-size", type=one, help="token ids the model covers; default: the preset's")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype; default: the preset's")
@@ -180,7 +183,8 @@ def main(argv=None) -> None:
   try:
     model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
                           n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype,
-                          fp8_core=a.fp8_core, window=a.window, window_pattern=a.window_pattern)
+                          fp8_core=a.fp8_core, window=a.window, window_pattern=a.window_pattern,
+                          kernels=a.kernels)
     cfg = loop.TrainConfig(
         model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
         ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,

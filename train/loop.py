@@ -99,12 +99,12 @@ def _loss(graphdef, params, fp8, batch: dict, dropout_key):
   float32. The output layer and loss run fused in chunks (models.loss): the (B, T, V) logits never exist.
   The logits come out of their GEMM in the compute dtype, as the model's own logits do (GPT.__call__) and as
   nanoGPT's do under autocast; the softmax runs in float32. Its softmax - onehot runs on the kernel that
-  models.loss.resolve_kernel("auto") names (the summary's "loss_kernel")."""
+  the model's `kernels` setting resolves to (models.kernels; the summary's "kernels")."""
   model = nnx.merge(graphdef, params, fp8)
   rngs = nnx.Rngs(dropout=dropout_key) if model.cfg.dropout else None
   h = model.hidden(batch["inputs"], rngs=rngs, segment_ids=batch.get("segment_ids"),
                    positions=batch.get("positions"))  # (B, T, D) compute dtype
-  return head_cross_entropy(h, model.head_weight(), batch["targets"], logits_dtype=h.dtype)
+  return head_cross_entropy(h, model.head_weight(), batch["targets"], logits_dtype=h.dtype, kernel=model.cfg.kernels)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,7 +372,7 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
       "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
-      "loss_kernel": resolve_kernel("auto")[0],
+      "kernels": resolve_kernel(mcfg.kernels)[0],  # the loss's and the LayerNorm backward's
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
   if cfg.sample_tokens:
@@ -406,6 +406,7 @@ def run(cfg: TrainConfig) -> dict:
     stop = stack.enter_context(signals.StopRequests())
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
     _check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. its segment ids)
+    resolve_kernel(cfg.model.kernels)  # and kernels="pallas" off a CUDA GPU
     ckpts, out = _open_outputs(cfg, stack)
     dataset = _load_data(cfg)
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's

@@ -1,0 +1,46 @@
+"""On an NVIDIA GPU: residual_norm's backward on models.norm_grad's compiled Pallas kernel against the float64
+formula at the presets' widths, proof that it ran, and a float32 GPT's loss and gradients on both kernels."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models import kernels
+from models.layernorm import residual_norm
+from tests import reference
+from tests.test_layernorm import DTYPES, _inputs, _ln, _oracle, _vjp, test_model_loss_and_gradients_on_both_kernels
+
+pytestmark = pytest.mark.gpu
+TRITON = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
+
+
+@pytest.mark.parametrize("d", [768, 1024, 2048], ids=lambda d: f"D{d}")  # gpt2-small, gpt2-medium, gpt-1b
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pallas_matches_float64(dtype, d):
+  """B=4, T=1023: 4092 rows, a ragged last tile and more tiles than programs. dscale and dbias are sums over the
+  rows, compared as means (divided by N): float32 sums of 4092 terms carry more rounding than the float32
+  tolerance of one value (XLA's fusions miss it too), while a row counted wrongly moves the mean by 1/N of a row's
+  term, far beyond it."""
+  ln, (x, dres, dy) = _ln(DTYPES[dtype], d), _inputs(DTYPES[dtype], d, 4, 1023)
+  _, dx, dscale, dbias = jax.jit(lambda x, dr, dy: _vjp(lambda m, x: residual_norm(m, x, kernel="pallas"), ln, x, dr,
+                                                        dy))(x, dres, dy)
+  _, dx64, dscale64, dbias64 = _oracle(ln, x, dres, dy)
+  reference.assert_close(dx, dx64, dtype, "grad", "dx")
+  N = x.shape[0] * x.shape[1]
+  reference.assert_close(dscale / N, dscale64 / N, dtype, "grad", "dscale / N")
+  reference.assert_close(dbias / N, dbias64 / N, dtype, "grad", "dbias / N")
+
+
+def test_auto_is_pallas_and_the_kernel_ran():
+  ln, (x, dres, dy) = _ln(jnp.bfloat16, 768), _inputs(jnp.bfloat16, 768, 2, 64)
+  assert kernels.resolve("auto")[0] == "pallas"
+  hlo = lambda kernel: jax.jit(lambda x: _vjp(lambda m, x: residual_norm(m, x, kernel=kernel), ln, x, dres, dy)).lower(
+      x).compile().as_text()
+  assert TRITON.search(hlo("auto")) and TRITON.search(hlo("pallas"))
+  assert not TRITON.search(hlo("xla"))
+
+
+def test_float32_model_on_both_kernels():
+  test_model_loss_and_gradients_on_both_kernels(("xla", "pallas"), backend="xla")
