@@ -7,12 +7,16 @@ output layer fused with the cross-entropy in chunks, models.loss), and the step 
 with respect to the FP8 scaling state too, as training does (te-fp8). Also the output layer + loss
 alone, both ways: float32 (B, T, V) logits + optax, and fused (logits are the largest
 activation of a GPT-2-sized vocabulary); the fused loss's softmax - onehot on the kernel that
-"auto" picks ("loss_kernel" in the printed config) and on XLA's fusions.
+--kernels picks ("kernels" in the printed config) and on XLA's fusions. The whole step is timed
+on XLA's fusions too (kernels="xla": the LayerNorm backward and the loss as XLA fusions), so the
+same run says what the Pallas kernels buy.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 
 import jax
@@ -35,19 +39,22 @@ def main(argv=None) -> None:
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--batch-size", type=int, default=32)
+  p.add_argument("--kernels", choices=models.KERNELS, default="auto", help="the step's own GPU kernels")
   a = p.parse_args(argv)
-  cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len)
+  cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, kernels=a.kernels)
   graphdef, params, fp8 = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, FP8Meta)  # fp8: te-fp8's state
+  graphdef_xla = nnx.split(models.GPT(dataclasses.replace(cfg, kernels="xla"), rngs=nnx.Rngs(0)), nnx.Param,
+                           FP8Meta)[0]
   tx = optim.adamw(3e-4, 1000, 10)
   opt_state = tx.init(params)
   x = jax.random.randint(jax.random.key(1), (a.batch_size, a.seq_len), 0, cfg.vocab_size)
   y = jnp.roll(x, -1, axis=1)
 
-  def loss(params, fp8, x, y):
+  def loss(params, fp8, x, y, graphdef=graphdef):
     return _loss(graphdef, params, fp8, {"inputs": x, "targets": y}, None)
 
-  def step(params, fp8, opt_state, x, y):  # as train.loop's: the FP8Meta "gradient" is its next value
-    l, (g, fp8) = jax.value_and_grad(loss, argnums=(0, 1))(params, fp8, x, y)
+  def step(params, fp8, opt_state, x, y, graphdef=graphdef):  # as train.loop's: the FP8Meta "gradient" is its next value
+    l, (g, fp8) = jax.value_and_grad(loss, argnums=(0, 1))(params, fp8, x, y, graphdef)
     updates, opt_state = tx.update(g, opt_state, params)
     return optax.apply_updates(params, updates), fp8, opt_state, l
 
@@ -65,6 +72,8 @@ def main(argv=None) -> None:
       "forward+loss": common.time_fn(jax.jit(loss), params, fp8, x, y),
       "forward+backward": common.time_fn(jax.jit(jax.grad(loss, argnums=(0, 1))), params, fp8, x, y),
       "step (with AdamW)": common.time_fn(jax.jit(step), params, fp8, opt_state, x, y),
+      "step, XLA fusions (kernels=xla)": common.time_fn(jax.jit(functools.partial(step, graphdef=graphdef_xla)),
+                                                        params, fp8, opt_state, x, y),
       "output layer+loss fwd+bwd": common.time_fn(jax.jit(jax.grad(head_loss, (0, 1))), wte, h, y),
       "output layer+fused loss fwd+bwd": common.time_fn(jax.jit(jax.grad(fused_head_loss, (0, 1))), wte, h, y),
       "... fused, bf16 logits fwd+bwd": common.time_fn(jax.jit(jax.grad(
@@ -73,7 +82,7 @@ def main(argv=None) -> None:
           lambda w, h, y: head_cross_entropy(h, w.astype(h.dtype), y, logits_dtype=h.dtype, kernel="xla"),
           (0, 1))), wte, h, y),
   }
-  print(json.dumps({"config": a.__dict__, "loss_kernel": resolve_kernel("auto")} | common.environment()))
+  print(json.dumps({"config": a.__dict__, "kernels": resolve_kernel(a.kernels)} | common.environment()))
   for name, t in parts.items():
     print(f"{name:>31}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")
 
