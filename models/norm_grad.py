@@ -9,7 +9,10 @@ and over all rows dscale = sum(dy * xhat), dbias = sum(dy), in float32.
 Why: XLA splits this into a fusion for the two row means and one for dx and the column sums, so
 x and dy are read twice. Here each program walks its rows a tile at a time, holds whole rows in
 registers (D up to a few thousand), writes dx once and keeps its dscale / dbias partial sums in
-registers; the (P, D) partials are summed by XLA.
+registers; the (P, D) partials are summed by XLA. On the H200, alternating gpt2-small cudnn
+training steps (B=32, T=1024) in one process, 4 rounds each, the step took a median of 62.02 ms
+with this kernel against 64.44 ms with XLA's fusions (the loss on models.softmax_grad in both);
+gpt2-medium 159.34 ms against 167.05 ms.
 """
 
 from __future__ import annotations
