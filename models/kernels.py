@@ -4,7 +4,8 @@
 A `kernel` argument names one of KERNELS: "xla" (XLA's fusions, any backend), "pallas" (the kernel,
 compiled; a CUDA GPU only), "interpret" (the same kernel through the Pallas interpreter, any backend,
 slow: for tests) or "auto". "auto" picks "pallas" where it compiles and the process has one device,
-else "xla"; `resolve` says which and why. "pallas" where it cannot compile is refused, never replaced.
+else "xla"; `resolve` says which and why. "pallas" where it cannot compile is refused, never replaced;
+asked for with several devices it runs, but unsharded: each device computes all of its work.
 """
 
 from __future__ import annotations

@@ -30,7 +30,10 @@ def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], *,
     raise ValueError("residual_norm takes a LayerNorm over the last axis with scale and bias, fast variance and no "
                      "axis_name (the model's own); call the module itself for others")
   dtype = ln.dtype or jnp.result_type(x, ln.scale[...], ln.bias[...])
-  x, scale, bias = (jnp.asarray(v, dtype) for v in (x, ln.scale[...], ln.bias[...]))  # as flax promotes them
+  if x.dtype != dtype:  # flax would compute in dtype; x handed back in it would change the residual stream's dtype
+    raise ValueError(f"residual_norm hands x back unchanged, so x must already be in the LayerNorm's compute dtype "
+                     f"{jnp.dtype(dtype).name}; got {x.dtype} (cast x first, or call the module itself)")
+  scale, bias = (jnp.asarray(v, dtype) for v in (ln.scale[...], ln.bias[...]))  # as flax promotes them
   kernel, _ = kernels.resolve(kernel, x)
   return _residual_norm(x, scale, bias, float(ln.epsilon), kernel)
 

@@ -40,6 +40,8 @@ def norm_grad(x: Float[Array, "N D"], dy: Float[Array, "N D"], dres: Float[Array
     raise ValueError(f"norm_grad wants x, dy, dres (N, D) = ({N}, {D}), mean and rstd ({N},), scale ({D},); got "
                      f"{tuple(dy.shape)}, {tuple(dres.shape)}, {tuple(mean.shape)}, {tuple(rstd.shape)}, "
                      f"{tuple(scale.shape)}")
+  if N < 1 or D < 1:
+    raise ValueError(f"norm_grad wants at least one row and one feature; got (N, D) = ({N}, {D})")
   lanes = 1 << (D - 1).bit_length()  # D rounded up to a power of two (Triton's blocks), the rest masked
   P = min(PROGRAMS, -(-N // ROWS))
   tiles = -(-N // (P * ROWS))
@@ -48,7 +50,7 @@ def norm_grad(x: Float[Array, "N D"], dy: Float[Array, "N D"], dres: Float[Array
       functools.partial(_kernel, N=N, D=D, lanes=lanes, tiles=tiles),
       grid=(P,),
       out_shape=[jax.ShapeDtypeStruct((N, D), x.dtype), part, part],
-      compiler_params=plgpu.CompilerParams(num_warps=max(4, lanes // 256), num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=min(32, max(4, lanes // 256)), num_stages=1),
       interpret=interpret,
   )(x, dy, dres, mean.astype(jnp.float32), rstd.astype(jnp.float32), scale.astype(jnp.float32))
   return dx, dscale.sum(0), dbias.sum(0)  # (N, D), (D,), (D,)

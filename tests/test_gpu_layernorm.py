@@ -35,6 +35,8 @@ def test_pallas_matches_float64(dtype, d):
 
 def test_auto_is_pallas_and_the_kernel_ran():
   ln, (x, dres, dy) = _ln(jnp.bfloat16, 768), _inputs(jnp.bfloat16, 768, 2, 64)
+  if jax.device_count() > 1:
+    pytest.skip(f"auto picks pallas on one GPU only; this process has {jax.device_count()} devices")
   assert kernels.resolve("auto")[0] == "pallas"
   hlo = lambda kernel: jax.jit(lambda x: _vjp(lambda m, x: residual_norm(m, x, kernel=kernel), ln, x, dres, dy)).lower(
       x).compile().as_text()

@@ -33,6 +33,8 @@ def test_pallas_matches_oracle(dtype, chunk):
 
 def test_auto_is_pallas_and_the_kernel_ran():
   h, w, t = _inputs(jnp.bfloat16, v=5003)
+  if jax.device_count() > 1:
+    pytest.skip(f"auto picks pallas on one GPU only; this process has {jax.device_count()} devices")
   assert resolve_kernel("auto")[0] == "pallas"
   hlo = lambda kernel: jax.jit(jax.grad(lambda h, w: head_cross_entropy(h, w, t, kernel=kernel), (0, 1))).lower(
       h, w).compile().as_text()

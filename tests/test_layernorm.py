@@ -116,6 +116,12 @@ def test_other_layernorms_and_shapes_are_refused():
   x = _inputs(jnp.float32)[0]
   with pytest.raises(ValueError, match="residual_norm takes a LayerNorm over the last axis with scale and bias"):
     residual_norm(nnx.LayerNorm(D, use_bias=False, rngs=nnx.Rngs(0)), x)
+  with pytest.raises(ValueError, match=re.escape("x must already be in the LayerNorm's compute dtype bfloat16; got "
+                                                 "float32")):
+    residual_norm(_ln(jnp.bfloat16), x)
+  with pytest.raises(ValueError, match=re.escape("norm_grad wants at least one row and one feature; got (N, D) = "
+                                                 "(0, 8)")):
+    norm_grad.norm_grad(*(jnp.zeros((0, 8)),) * 3, jnp.zeros(0), jnp.zeros(0), jnp.zeros(8), interpret=True)
   with pytest.raises(ValueError, match=re.escape("norm_grad wants x, dy, dres (N, D) = (4, 8), mean and rstd (4,), "
                                                  "scale (8,); got (4, 8), (4, 8), (4,), (4,), (9,)")):
     z = jnp.zeros((4, 8))

@@ -185,6 +185,13 @@ def test_missing_data_is_refused_before_the_checkpoint_folder_is_touched(tmp_pat
   assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the Pallas kernels compile on a GPU: nothing to refuse")
+def test_pallas_kernels_off_a_gpu_are_refused_before_the_checkpoint_folder_is_touched(tmp_path):
+  with pytest.raises(ValueError, match=r"kernel='pallas': the Pallas kernels need a GPU"):
+    loop.run(tiny(tmp_path / "c", model=models.preset("tiny", seq_len=32, kernels="pallas")))
+  assert not (tmp_path / "c").exists()
+
+
 # --- one trainer per folder
 
 HOLD_LOCK = ("import sys, time\nfrom train.lock import DirLock\nDirLock(sys.argv[1]).acquire()\n"

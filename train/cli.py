@@ -92,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
                       "take the model, e.g. head dim != 128), FP8 where it can else bf16, or bf16")
   p.add_argument("--kernels", choices=models.KERNELS, default="auto",
                  help="the step's own GPU kernels (the LayerNorm backward, the loss's softmax gradient): Pallas ones "
-                      "(pallas; refused off a CUDA GPU), XLA's fusions (xla), or auto: pallas on one CUDA GPU, else xla")
+                      "(pallas; refused off a CUDA GPU; with several devices each runs all of their work), XLA's fusions (xla), or "
+                      "auto: pallas on one CUDA GPU, else xla")
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
   p.add_argument("--vocab-size", type=one, help="token ids the model covers; default: the preset's")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype; default: the preset's")
