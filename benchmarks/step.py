@@ -28,7 +28,8 @@ import attnlayers
 import models
 from benchmarks import common
 from attnlayers.fp8 import FP8Meta
-from models.loss import head_cross_entropy, resolve_kernel
+from models import kernels
+from models.loss import head_cross_entropy
 from train import optim
 from train.loop import _loss
 
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
           lambda w, h, y: head_cross_entropy(h, w.astype(h.dtype), y, logits_dtype=h.dtype, kernel="xla"),
           (0, 1))), wte, h, y),
   }
-  print(json.dumps({"config": a.__dict__, "kernels": resolve_kernel(a.kernels)} | common.environment()))
+  print(json.dumps({"config": a.__dict__, "kernels": kernels.resolve(a.kernels)} | common.environment()))
   for name, t in parts.items():
     print(f"{name:>31}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")
 

@@ -35,14 +35,6 @@ _CONTRACT_V = (((1,), (0,)), ((), ()))  # (C, V) x (V, D) -> (C, D)
 _CONTRACT_C = (((0,), (0,)), ((), ()))  # (C, V) x (C, D) -> (V, D)
 
 
-KERNELS = kernels.KERNELS  # how a differentiated chunk's softmax - onehot is computed (models.kernels)
-
-
-def resolve_kernel(kernel: str = "auto", *arrays) -> tuple[str, str]:
-  """(the kernel that `kernel` runs, why): models.kernels.resolve, the one rule for the models' Pallas kernels."""
-  return kernels.resolve(kernel, *arrays)
-
-
 def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets: Int[Array, "B T"], *,
                        chunk: int = DEFAULT_CHUNK, logits_dtype=jnp.float32, kernel: str = "auto") -> Float[Array, ""]:
   """Mean over all B * T tokens of -log softmax(h @ w.T)[target], float32, never all (B, T, V) logits.
@@ -60,7 +52,7 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   backward scales them by the cotangent. Undifferentiated (evaluation), only the loss is computed.
 
   kernel: how the differentiated pass turns each chunk's logits into softmax - onehot and the loss
-  (resolve_kernel says what "auto", the default, picks): "xla" (XLA fusions, any backend),
+  (models.kernels.resolve says what "auto", the default, picks): "xla" (XLA fusions, any backend),
   "pallas" (models.softmax_grad: one GPU kernel for XLA's two fusions, faster) or "interpret" (that
   kernel through the Pallas interpreter, any backend, slow: for tests). Same float32 formula.
   """
@@ -82,7 +74,7 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   logits_dtype = jnp.dtype(logits_dtype)
   if logits_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(h.dtype)):
     raise ValueError(f"logits_dtype must be float32 or the compute dtype {h.dtype}; got {logits_dtype}")
-  kernel, _ = resolve_kernel(kernel, h, w)
+  kernel, _ = kernels.resolve(kernel, h, w)
   return _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel)
 
 

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import softmax_grad
-from models.loss import head_cross_entropy, resolve_kernel
+from models import kernels, softmax_grad
+from models.loss import head_cross_entropy
 from tests import reference
 from tests.test_loss import DTYPES, _inputs, _oracle
 
@@ -35,7 +35,7 @@ def test_auto_is_pallas_and_the_kernel_ran():
   h, w, t = _inputs(jnp.bfloat16, v=5003)
   if jax.device_count() > 1:
     pytest.skip(f"auto picks pallas on one GPU only; this process has {jax.device_count()} devices")
-  assert resolve_kernel("auto")[0] == "pallas"
+  assert kernels.resolve("auto")[0] == "pallas"
   hlo = lambda kernel: jax.jit(jax.grad(lambda h, w: head_cross_entropy(h, w, t, kernel=kernel), (0, 1))).lower(
       h, w).compile().as_text()
   assert TRITON.search(hlo("auto")) and TRITON.search(hlo("pallas"))

@@ -19,7 +19,7 @@ from flax import nnx
 import models
 from attnlayers.fp8 import FP8Meta
 from models import kernels, softmax_grad
-from models.loss import head_cross_entropy, resolve_kernel
+from models.loss import head_cross_entropy
 from tests import reference
 from train import loop
 
@@ -180,19 +180,19 @@ def test_kernel_choice_is_said_and_checked(monkeypatch):
   """auto says what it picked and why; pallas where it cannot compile is refused with what would run; with
   several devices auto keeps XLA's fusions (the kernel has no sharding rule)."""
   if jax.default_backend() == "gpu" and jax.device_count() == 1:
-    assert resolve_kernel("auto") == ("pallas", "one GPU: the Pallas kernels")
+    assert kernels.resolve("auto") == ("pallas", "one GPU: the Pallas kernels")
   elif jax.default_backend() != "gpu":
-    picked, why = resolve_kernel("auto")
+    picked, why = kernels.resolve("auto")
     assert picked == "xla" and why.startswith("XLA fusions (the Pallas kernels need a GPU")
     with pytest.raises(ValueError, match=r"kernel='pallas': .*need a GPU.*Use kernel='xla'"):
       head_cross_entropy(*_inputs(jnp.float32), kernel="pallas")
-  assert resolve_kernel("xla") == ("xla", "as asked")
+  assert kernels.resolve("xla") == ("xla", "as asked")
   with pytest.raises(ValueError, match=re.escape("kernel must be one of ('auto', 'xla', 'pallas', 'interpret'); "
                                                  "got 'triton'")):
     head_cross_entropy(*_inputs(jnp.float32), kernel="triton")
   monkeypatch.setattr(kernels, "available", lambda *arrays: (True, ""))
   monkeypatch.setattr(jax, "device_count", lambda: 2)
-  picked, why = resolve_kernel("auto")
+  picked, why = kernels.resolve("auto")
   assert picked == "xla" and "2 devices: the Pallas kernels have no sharding rule" in why
 
 

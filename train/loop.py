@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
-from models import generate
-from models.loss import head_cross_entropy, resolve_kernel
+from models import generate, kernels
+from models.loss import head_cross_entropy
 from train import checkpoint, data, metrics, optim, sample, signals, stepdirs
 
 PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
@@ -372,7 +372,7 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
       "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
-      "kernels": resolve_kernel(mcfg.kernels)[0],  # the loss's and the LayerNorm backward's
+      "kernels": kernels.resolve(mcfg.kernels)[0],  # the loss's and the LayerNorm backward's
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
   if cfg.sample_tokens:
@@ -406,7 +406,7 @@ def run(cfg: TrainConfig) -> dict:
     stop = stack.enter_context(signals.StopRequests())
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
     _check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. its segment ids)
-    resolve_kernel(cfg.model.kernels)  # and kernels="pallas" off a CUDA GPU
+    kernels.resolve(cfg.model.kernels)  # and kernels="pallas" off a CUDA GPU
     ckpts, out = _open_outputs(cfg, stack)
     dataset = _load_data(cfg)
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
