@@ -44,8 +44,8 @@ def main(argv=None) -> None:
   a = p.parse_args(argv)
   cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, kernels=a.kernels)
   graphdef, params, fp8 = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, FP8Meta)  # fp8: te-fp8's state
-  graphdef_xla = nnx.split(models.GPT(dataclasses.replace(cfg, kernels="xla"), rngs=nnx.Rngs(0)), nnx.Param,
-                           FP8Meta)[0]
+  xla_model = nnx.eval_shape(lambda: models.GPT(dataclasses.replace(cfg, kernels="xla"), rngs=nnx.Rngs(0)))
+  graphdef_xla = nnx.split(xla_model, nnx.Param, FP8Meta)[0]  # only its graph: the parameters are shapes
   tx = optim.adamw(3e-4, 1000, 10)
   opt_state = tx.init(params)
   x = jax.random.randint(jax.random.key(1), (a.batch_size, a.seq_len), 0, cfg.vocab_size)
