@@ -45,6 +45,7 @@ def norm_grad(x: Float[Array, "N D"], dy: Float[Array, "N D"], dres: Float[Array
   lanes = 1 << (D - 1).bit_length()  # D rounded up to a power of two (Triton's blocks), the rest masked
   P = min(PROGRAMS, -(-N // ROWS))
   tiles = -(-N // (P * ROWS))
+  P = -(-N // (tiles * ROWS))  # no program left with only masked rows
   part = jax.ShapeDtypeStruct((P, D), jnp.float32)
   dx, dscale, dbias = pl.pallas_call(
       functools.partial(_kernel, N=N, D=D, lanes=lanes, tiles=tiles),
