@@ -8,7 +8,7 @@ with respect to the FP8 scaling state too, as training does (te-fp8). Also the o
 alone, both ways: float32 (B, T, V) logits + optax, and fused (logits are the largest
 activation of a GPT-2-sized vocabulary); the fused loss's softmax - onehot on the kernel that
 --kernels picks ("kernels" in the printed config) and on XLA's fusions. The whole step is timed
-on XLA's fusions too (kernels="xla": the LayerNorm backward and the loss as XLA fusions), so the
+on XLA's fusions too (kernels="xla": the LayerNorms, bias + GELU and the loss as XLA fusions), so the
 same run says what the Pallas kernels buy.
 """
 

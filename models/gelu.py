@@ -27,6 +27,11 @@ _C = math.sqrt(2 / math.pi)  # u = C (x + A x^3); gelu = 0.5 x (1 + tanh(u)) = x
 _A = 0.044715
 
 
+def value(xf: Float[Array, "..."]) -> Float[Array, "..."]:
+  """gelu at float32 xf, float32: x * sigmoid(2u)."""
+  return xf * _sigmoid_2u(xf)
+
+
 def _sigmoid_2u(xf: Float[Array, "..."]) -> Float[Array, "..."]:
   """sigmoid(2u) = 1 / (1 + exp(-2u)), float32; exp overflowing to inf for very negative x gives 0, not NaN."""
   return 1 / (1 + jnp.exp(-2 * _C * (xf + _A * xf * xf * xf)))
@@ -36,19 +41,21 @@ def _sigmoid_2u(xf: Float[Array, "..."]) -> Float[Array, "..."]:
 def gelu(x: Float[Array, "..."]) -> Float[Array, "..."]:
   """GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in x's dtype; its
   gradient recomputes from x."""
-  xf = x.astype(jnp.float32)
-  return (xf * _sigmoid_2u(xf)).astype(x.dtype)
+  return value(x.astype(jnp.float32)).astype(x.dtype)
 
 
 def _gelu_fwd(x):
   return gelu(x), x
 
 
-def _gelu_bwd(x, g):
-  xf = x.astype(jnp.float32)
+def derivative(xf: Float[Array, "..."]) -> Float[Array, "..."]:
+  """d gelu / dx at float32 xf, float32: s + x s (1 - s) 2c (1 + 3a x^2) with s = sigmoid(2u) (tanh' = 4 s (1 - s))."""
   s = _sigmoid_2u(xf)
-  d = s + xf * s * (1 - s) * (2 * _C) * (1 + 3 * _A * xf * xf)  # d gelu / dx; tanh' = 1 - tanh^2 = 4 s (1 - s)
-  return ((g.astype(jnp.float32) * d).astype(x.dtype),)
+  return s + xf * s * (1 - s) * (2 * _C) * (1 + 3 * _A * xf * xf)
+
+
+def _gelu_bwd(x, g):
+  return ((g.astype(jnp.float32) * derivative(x.astype(jnp.float32))).astype(x.dtype),)
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)

@@ -1,7 +1,8 @@
 """A GPT-2-style decoder in Flax NNX on attnlayers' attention.
 
-Pre-norm blocks (LayerNorm -> attention -> residual, LayerNorm -> GELU MLP -> residual),
-learned absolute positions, token embedding tied to the output projection, GPT-2's
+Pre-norm blocks (LayerNorm -> attention -> residual, LayerNorm -> GELU MLP -> residual; the
+stream passes from block to block as a pair whose sum it is, which the next LayerNorm adds in
+its own pass: models.layernorm), learned absolute positions, token embedding tied to the output projection, GPT-2's
 initialisation (normal 0.02, residual projections scaled by 1/sqrt(2 * n_layer)). The
 attention kernel is `config.backend`; the model never branches on it, except that
 backend "te-fp8" means FP8 for the whole model: the attention projections (q/k/v as one
@@ -33,7 +34,7 @@ from jaxtyping import Array, Float, Int
 from attnlayers.fp8 import FP8Recipe, use_fp8_dense
 from attnlayers.nnx import MultiHeadAttention
 from models.config import GPTConfig
-from models.gelu import gelu
+from models.bias_gelu import bias_gelu
 from models.layernorm import residual_norm
 
 
@@ -43,7 +44,7 @@ class Block(nnx.Module):
     proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layer))
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     self.max_segments = cfg.max_segments  # bound on documents per packed row (attnlayers max_segments)
-    self.kernels = cfg.kernels  # the LayerNorm backward's (models.kernels)
+    self.kernels = cfg.kernels  # its LayerNorms' and bias + GELU's (models.kernels)
     self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
     recipe = FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None  # te-fp8: every GEMM but the head
     self.attn = MultiHeadAttention(
@@ -59,15 +60,26 @@ class Block(nnx.Module):
       use_fp8_dense(self.proj, recipe)
     self.dropout = nnx.Dropout(cfg.dropout)
 
-  def __call__(self, x: Float[Array, "B T D"], rngs: nnx.Rngs | None = None, *, decode: bool = False,
-               lengths: Int[Array, "B"] | None = None,
-               segment_ids: Int[Array, "B T"] | None = None) -> Float[Array, "B T D"]:
-    drop = lambda y: self.dropout(y, deterministic=rngs is None, rngs=rngs)
-    x, h = residual_norm(self.ln1, x, kernel=self.kernels)  # x passes through: its gradient meets LayerNorm's
+  def __call__(self, x: Float[Array, "B T D"], y: Float[Array, "B T D"] | None = None, rngs: nnx.Rngs | None = None,
+               *, decode: bool = False, lengths: Int[Array, "B"] | None = None,
+               segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
+    """The residual stream in and out as a pair whose sum it is, (x, y) (y None: x alone), so that each
+    LayerNorm adds the pair in its own pass: returns (x + y + attention, the MLP's output)."""
+    drop = lambda a: self.dropout(a, deterministic=rngs is None, rngs=rngs)
+    x, h = residual_norm(self.ln1, x, y, kernel=self.kernels)  # x + y, and its LayerNorm
     packed = {} if segment_ids is None or self.max_segments is None else {"max_segments": self.max_segments}
-    x = x + drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids, **packed))
-    x, h = residual_norm(self.ln2, x, kernel=self.kernels)
-    return x + drop(self.proj(gelu(self.fc(h))))
+    a = drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids, **packed))
+    x, h = residual_norm(self.ln2, x, a, kernel=self.kernels)
+    z = _unbiased(self.fc, h)  # (B, T, 4D); its bias is added in bias_gelu's pass
+    return x, drop(self.proj(bias_gelu(z, self.fc.bias[...].astype(z.dtype), kernel=self.kernels)))
+
+
+def _unbiased(linear: nnx.Linear, x: Float[Array, "B T D"]) -> Float[Array, "B T F"]:
+  """What `linear(x)` computes before its bias add: x @ kernel in the compute dtype, through the module's own
+  dot_general (an FP8 GEMM under te-fp8)."""
+  x, kernel = linear.promote_dtype((x, linear.kernel[...]), dtype=linear.dtype)
+  extra = {} if linear.preferred_element_type is None else {"preferred_element_type": linear.preferred_element_type}
+  return linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision, **extra)
 
 
 class GPT(nnx.Module):
@@ -146,12 +158,14 @@ class GPT(nnx.Module):
     dt = jnp.dtype(self.cfg.dtype)
     x = (self.wte(tokens) + self.wpe(pos)).astype(dt)  # (B, T, D)
     x = self.drop(x, deterministic=rngs is None, rngs=rngs)
+    y = None  # the residual stream is x + y (models.layernorm adds them)
     for block in self.blocks:
-      x = block(x, rngs, decode=decode, lengths=lengths, segment_ids=segment_ids)
+      x, y = block(x, y, rngs, decode=decode, lengths=lengths, segment_ids=segment_ids)
     if last_only:
       last = (jnp.full((B,), T) if lengths is None else jnp.asarray(lengths)) - 1  # (B,)
-      x = jnp.take_along_axis(x, jnp.maximum(last, 0)[:, None, None], axis=1)  # (B, 1, D)
-    return residual_norm(self.ln_f, x, kernel=self.cfg.kernels)[1]  # (B, T, D) ln_f(x)
+      take = lambda a: None if a is None else jnp.take_along_axis(a, jnp.maximum(last, 0)[:, None, None], axis=1)
+      x, y = take(x), take(y)  # (B, 1, D)
+    return residual_norm(self.ln_f, x, y, kernel=self.cfg.kernels)[1]  # (B, T, D) ln_f(x + y)
 
   def _decode_positions(self, B: int, T: int, lengths) -> Int[Array, "B T"]:
     """Each token's position: its row's cache_index + t; padding tokens (t >= lengths) get 0."""

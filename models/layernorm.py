@@ -2,12 +2,15 @@
 
 Letters: B batch, T sequence, D features.
 
-`residual_norm(ln, x)` returns (x, ln(x)) for an nnx.LayerNorm `ln`, with ln(x) computed by the same
-formula as flax's (float32 statistics, variance E[x^2] - E[x]^2, scale and bias cast to the compute
-dtype). A pre-norm block reads the residual stream x twice, into the LayerNorm and past it; taking x
+`residual_norm(ln, x, y)` returns (s, ln(s)) with s = x + y (the residual stream, its branch's
+output added; s = x where y is None) for an nnx.LayerNorm `ln`, with ln(s) computed by the same
+formula as flax's (float32 statistics, variance E[s^2] - E[s]^2, scale and bias cast to the compute
+dtype). A pre-norm block reads the residual stream twice, into the LayerNorm and past it; taking s
 back from here routes the stream's gradient into this op's backward, which returns
-dres + LayerNorm'(dy) in one pass: on a GPU one Pallas kernel (models.norm_grad), elsewhere the same
-float32 formula as XLA fusions (models.kernels picks; `kernel` as there).
+dres + LayerNorm'(dy) in one pass (for x and y alike). On a GPU both directions are Pallas kernels:
+the add, statistics and normalisation in one pass (models.norm_fwd), the backward in another
+(models.norm_grad); elsewhere the same float32 formulas run as XLA fusions (models.kernels picks;
+`kernel` as there).
 """
 
 from __future__ import annotations
@@ -19,12 +22,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from models import kernels, norm_grad
+from models import kernels, norm_fwd, norm_grad
 
 
-def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], *,
+def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], y: Float[Array, "B T D"] | None = None, *,
                   kernel: str = "auto") -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
-  """(x, ln(x)); differentiable in x and ln's scale and bias (reverse mode)."""
+  """(s, ln(s)) with s = x + y (x where y is None); differentiable in x, y and ln's scale and bias (reverse mode)."""
   if ln.reduction_axes not in (-1, (-1,)) or ln.feature_axes not in (-1, (-1,)) or ln.scale is None or \
       ln.bias is None or not ln.use_fast_variance or ln.axis_name is not None:
     raise ValueError("residual_norm takes a LayerNorm over the last axis with scale and bias, fast variance and no "
@@ -33,9 +36,12 @@ def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], *,
   if x.dtype != dtype:  # flax would compute in dtype; x handed back in it would change the residual stream's dtype
     raise ValueError(f"residual_norm hands x back unchanged, so x must already be in the LayerNorm's compute dtype "
                      f"{jnp.dtype(dtype).name}; got {x.dtype} (cast x first, or call the module itself)")
+  if y is not None and (y.shape != x.shape or y.dtype != x.dtype):
+    raise ValueError(f"residual_norm adds y to x in x's dtype, so y must have x's shape and dtype {tuple(x.shape)} "
+                     f"{x.dtype}; got {tuple(y.shape)} {y.dtype}")
   scale, bias = (jnp.asarray(v, dtype) for v in (ln.scale[...], ln.bias[...]))  # as flax promotes them
   kernel, _ = kernels.resolve(kernel, x)
-  return _residual_norm(x, scale, bias, float(ln.epsilon), kernel)
+  return _residual_norm(x, y, scale, bias, float(ln.epsilon), kernel, y is None)
 
 
 def _stats(x, eps: float):
@@ -46,18 +52,24 @@ def _stats(x, eps: float):
   return mean, jax.lax.rsqrt(var + eps)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _residual_norm(x, scale, bias, eps, kernel):
-  return _residual_norm_fwd(x, scale, bias, eps, kernel)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _residual_norm(x, y, scale, bias, eps, kernel, alone):  # alone: y is None
+  return _residual_norm_fwd(x, y, scale, bias, eps, kernel, alone)[0]
 
 
-def _residual_norm_fwd(x, scale, bias, eps, kernel):
-  mean, rstd = _stats(x, eps)  # (B, T) each
-  y = (x - mean[..., None]) * (rstd[..., None] * scale) + bias  # float32, in flax's order of operations
-  return (x, y.astype(x.dtype)), (x, mean, rstd, scale)
+def _residual_norm_fwd(x, y, scale, bias, eps, kernel, alone):
+  if kernel in ("pallas", "interpret"):
+    flat = lambda a: None if a is None else a.reshape(-1, a.shape[-1])
+    s, h, mean, rstd = norm_fwd.add_norm(flat(x), flat(y), scale, bias, eps, interpret=kernel == "interpret")
+    s, h, mean, rstd = s.reshape(x.shape), h.reshape(x.shape), mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
+  else:
+    s = x if y is None else x + y  # the residual stream, in its dtype
+    mean, rstd = _stats(s, eps)  # (B, T) each
+    h = ((s - mean[..., None]) * (rstd[..., None] * scale) + bias).astype(x.dtype)  # flax's order of operations
+  return (s, h), (s, mean, rstd, scale)
 
 
-def _residual_norm_bwd(eps, kernel, residuals, cotangents):
+def _residual_norm_bwd(eps, kernel, alone, residuals, cotangents):
   x, mean, rstd, scale = residuals
   dres, dy = cotangents  # (B, T, D): the stream's gradient, and the normalised output's
   D = x.shape[-1]
@@ -74,7 +86,7 @@ def _residual_norm_bwd(eps, kernel, residuals, cotangents):
         g - g.sum(-1, keepdims=True) / D - xhat * (g * xhat).sum(-1, keepdims=True) / D)
     axes = tuple(range(x.ndim - 1))
     dx, dscale, dbias = dx.astype(x.dtype), (dyf * xhat).sum(axes), dyf.sum(axes)
-  return dx, dscale.astype(scale.dtype), dbias.astype(scale.dtype)
+  return dx, (None if alone else dx), dscale.astype(scale.dtype), dbias.astype(scale.dtype)
 
 
 _residual_norm.defvjp(_residual_norm_fwd, _residual_norm_bwd)

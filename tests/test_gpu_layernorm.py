@@ -1,10 +1,11 @@
-"""On an NVIDIA GPU: residual_norm's backward on models.norm_grad's compiled Pallas kernel against the float64
-formula at the presets' widths, proof that it ran, and a float32 GPT's loss and gradients on both kernels."""
+"""On an NVIDIA GPU: residual_norm on models.norm_fwd's and models.norm_grad's compiled Pallas kernels against the
+float64 formula at the presets' widths, proof that they ran, and a float32 GPT's loss and gradients on both kernels."""
 
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from models import kernels
@@ -33,6 +34,23 @@ def test_pallas_matches_float64(dtype, d):
   reference.assert_close(dbias / N, dbias64 / N, dtype, "grad", "dbias / N")
 
 
+@pytest.mark.parametrize("d", [768, 1024, 2048], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pallas_forward_with_a_branch_added(dtype, d):
+  """s = x + a rounded to the dtype, exactly; ln(s) against float64; x and a get the same gradient."""
+  ln, (x, dres, dy) = _ln(DTYPES[dtype], d), _inputs(DTYPES[dtype], d, 4, 1023)
+  a = jax.random.normal(jax.random.key(5), x.shape).astype(x.dtype)
+  def fn(x, a):
+    out, vjp = jax.vjp(lambda x, a: residual_norm(ln, x, a, kernel="pallas"), x, a)
+    return out, vjp((dres, dy))
+  (s, y), (dx, da) = jax.jit(fn)(x, a)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(x + a, np.float32))
+  y64, dx64, _, _ = _oracle(ln, x + a, dres, dy)
+  reference.assert_close(y, y64, dtype, "out", "ln(x + a)")
+  reference.assert_close(dx, dx64, dtype, "grad", "dx")
+  np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(da, np.float32))
+
+
 def test_auto_is_pallas_and_the_kernel_ran():
   ln, (x, dres, dy) = _ln(jnp.bfloat16, 768), _inputs(jnp.bfloat16, 768, 2, 64)
   if jax.device_count() > 1:
@@ -40,7 +58,7 @@ def test_auto_is_pallas_and_the_kernel_ran():
   assert kernels.resolve("auto")[0] == "pallas"
   hlo = lambda kernel: jax.jit(lambda x: _vjp(lambda m, x: residual_norm(m, x, kernel=kernel), ln, x, dres, dy)).lower(
       x).compile().as_text()
-  assert TRITON.search(hlo("auto")) and TRITON.search(hlo("pallas"))
+  assert len(TRITON.findall(hlo("auto"))) == len(TRITON.findall(hlo("pallas"))) == 2  # forward, backward
   assert not TRITON.search(hlo("xla"))
 
 

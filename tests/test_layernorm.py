@@ -1,5 +1,6 @@
 """models.layernorm.residual_norm: flax's LayerNorm values, and gradients (the residual stream's added) against
-the float64 formula, on XLA's fusions and on models.norm_grad's Pallas kernel (interpreted); the model on both."""
+the float64 formula, on XLA's fusions and on models.norm_fwd's and models.norm_grad's Pallas kernels (interpreted),
+with and without a branch's output added to the stream; the model on both."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from flax import nnx
 
 import models
-from models import norm_grad
+from models import norm_fwd, norm_grad
 from models.layernorm import residual_norm
 from tests import reference
 from train import loop
@@ -90,6 +91,43 @@ def test_gradients_match_flax_autodiff(kernel):
     reference.assert_close(a, b, jnp.float32, "grad", what)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_added_branch_values_and_gradients(dtype, kernel):
+  """residual_norm(ln, x, a): the stream x + a rounded to the dtype, its LayerNorm, and dres + LayerNorm'(dy)
+  for both x and a."""
+  ln, (x, dres, dy) = _ln(DTYPES[dtype]), _inputs(DTYPES[dtype])
+  a = (0.7 * jax.random.normal(jax.random.key(5), x.shape)).astype(x.dtype)
+  def fn(ln, x, a, dres, dy):
+    graphdef, params = nnx.split(ln, nnx.Param)
+    out, vjp = jax.vjp(lambda p, x, a: residual_norm(nnx.merge(graphdef, p), x, a, kernel=kernel), params, x, a)
+    return out, vjp((dres, dy))
+  (s, y), (dparams, dx, da) = jax.jit(fn, static_argnums=0)(ln, x, a, dres, dy)
+  np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(x + a, np.float32))
+  y64, dx64, dscale64, dbias64 = _oracle(ln, x + a, dres, dy)
+  reference.assert_close(y, y64, dtype, "out", "ln(x + a)")
+  np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(da, np.float32))
+  reference.assert_close(dx, dx64, dtype, "grad", "dx = da")
+  reference.assert_close(dparams["scale"][...], dscale64, dtype, "grad", "dscale")
+  reference.assert_close(dparams["bias"][...], dbias64, dtype, "grad", "dbias")
+
+
+def test_forward_kernel_ragged_rows_and_masked_lanes():
+  """norm_fwd interpreted against the formula: N not a multiple of its rows per program, D = 65."""
+  N, d = 4 * norm_fwd.ROWS + 3, 65
+  ks = jax.random.split(jax.random.key(3), 4)
+  x, y = (2 * jax.random.normal(k, (N, d)) + 1 for k in ks[:2])
+  scale, bias = jax.random.normal(ks[2], (d,)), jax.random.normal(ks[3], (d,))
+  s, h, mean, rstd = norm_fwd.add_norm(x, y, scale, bias, 1e-5, interpret=True)
+  want = x + y
+  m, r = want.mean(-1), 1 / jnp.sqrt(want.var(-1) + 1e-5)
+  reference.assert_close(s, want, jnp.float32, "out", "s")
+  reference.assert_close(mean, m, jnp.float32, "out", "mean")
+  reference.assert_close(rstd, r, jnp.float32, "out", "rstd")
+  reference.assert_close(h, (want - m[:, None]) * r[:, None] * scale + bias, jnp.float32, "out", "h")
+  assert norm_fwd.add_norm(x, None, scale, bias, 1e-5, interpret=True)[0] is x
+
+
 def test_kernel_sizes_beyond_one_program_each():
   """More rows than programs, a ragged last tile, and D one past a power of two, interpreted against XLA's."""
   N, d = 2 * norm_grad.PROGRAMS * norm_grad.ROWS + 3, 65
@@ -109,7 +147,7 @@ def test_interpret_runs_the_pallas_kernel():
   ln, (x, dres, dy) = _ln(jnp.float32), _inputs(jnp.float32)
   jaxpr = lambda kernel: str(jax.make_jaxpr(lambda x: _vjp(lambda m, x: residual_norm(m, x, kernel=kernel), ln, x,
                                                            dres, dy))(x))
-  assert "pallas_call" in jaxpr("interpret") and "pallas_call" not in jaxpr("xla")
+  assert jaxpr("interpret").count("pallas_call") == 2 and "pallas_call" not in jaxpr("xla")  # forward, backward
 
 
 def test_other_layernorms_and_shapes_are_refused():
@@ -126,6 +164,13 @@ def test_other_layernorms_and_shapes_are_refused():
                                                  "scale (8,); got (4, 8), (4, 8), (4,), (4,), (9,)")):
     z = jnp.zeros((4, 8))
     norm_grad.norm_grad(z, z, z, z[:, 0], z[:, 0], jnp.zeros(9), interpret=True)
+  with pytest.raises(ValueError, match=re.escape("y must have x's shape and dtype (3, 5, 48) float32; got (3, 5, 48) "
+                                                 "bfloat16")):
+    residual_norm(_ln(jnp.float32), x, x.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match=re.escape("add_norm wants x and y (N, D) = (4, 8), scale and bias (8,); got "
+                                                 "(4, 8), (9,), (8,)")):
+    z = jnp.zeros((4, 8))
+    norm_fwd.add_norm(z, z, jnp.zeros(9), jnp.zeros(8), 1e-5, interpret=True)
   with pytest.raises(ValueError, match=re.escape("kernels must be one of ('auto', 'xla', 'pallas', 'interpret') "
                                                  "(models.kernels); got 'triton'")):
     models.preset("tiny", kernels="triton")

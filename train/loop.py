@@ -372,7 +372,7 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
       "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
-      "kernels": kernels.resolve(mcfg.kernels)[0],  # the loss's and the LayerNorm backward's
+      "kernels": kernels.resolve(mcfg.kernels)[0],  # the loss's, the LayerNorms' and bias + GELU's
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
   if cfg.sample_tokens:
