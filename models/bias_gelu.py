@@ -4,8 +4,8 @@ Letters: N rows (tokens), F features (the MLP's hidden width), P programs.
 
 Why: the bias add and GELU are passes over the (N, F) hidden activation, the step's largest after
 the logits. As one op, the forward reads z once and writes gelu(z + b); the backward keeps z and
-b (z is the GEMM's output, in memory anyway) and recomputes z + b, so nothing else of size (N, F)
-is saved. On a GPU both directions are Pallas (Triton) kernels: the forward computes the float32
+b (as a plain GELU keeps its input) and recomputes z + b, so nothing else of size (N, F) is
+saved. On a GPU both directions are Pallas (Triton) kernels: the forward computes the float32
 exp and division faster than XLA's fusion, and the backward writes dz once while each program
 keeps its rows' bias-gradient sums in registers (XLA's fusion for the same is slower). Elsewhere,
 or with kernel="xla", the same float32 formula runs as XLA fusions (models.kernels picks).
@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
-from models import gelu, kernels
+from models import gelu, kernels, tiling
 
 FWD_TILE = (8, 1024)  # rows x features per forward program (powers of two; the rest masked)
 BWD_TILE = (4, 1024)  # rows x features per backward step; each program walks a contiguous run of row tiles
@@ -85,7 +85,7 @@ def _forward(z: Float[Array, "N F"], b: Float[Array, "F"], *, interpret: bool) -
   N, F = z.shape
   rows, lanes = FWD_TILE
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, N=N, F=F, rows=rows, lanes=lanes),
+      functools.partial(_fwd_kernel, F=F, rows=rows, lanes=lanes),
       grid=(pl.cdiv(N, rows), pl.cdiv(F, lanes)),
       out_shape=jax.ShapeDtypeStruct((N, F), z.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
@@ -93,17 +93,10 @@ def _forward(z: Float[Array, "N F"], b: Float[Array, "F"], *, interpret: bool) -
   )(z, b)
 
 
-def _tile(ref, r0, c0, rows, lanes, N, F):
-  """(the (rows, lanes) block of ref (N, F) at (r0, c0) in float32, 0 where masked; the mask)."""
-  mask = ((r0 + jnp.arange(rows)) < N)[:, None] & ((c0 + jnp.arange(lanes)) < F)[None, :]
-  block = plgpu.load(ref.at[pl.ds(r0, rows), pl.ds(c0, lanes)], mask=mask, other=0.0)
-  return block.astype(jnp.float32), mask
-
-
-def _fwd_kernel(z_ref, b_ref, y_ref, *, N: int, F: int, rows: int, lanes: int):
+def _fwd_kernel(z_ref, b_ref, y_ref, *, F: int, rows: int, lanes: int):
   """Program (i, j): rows i * rows + [0, rows), features j * lanes + [0, lanes). z_ref, y_ref (N, F); b_ref (F,)."""
   r0, c0 = pl.program_id(0) * rows, pl.program_id(1) * lanes
-  z, mask = _tile(z_ref, r0, c0, rows, lanes, N, F)
+  z, mask = tiling.load(z_ref, r0, c0, rows, lanes)
   b = plgpu.load(b_ref.at[pl.ds(c0, lanes)], mask=(c0 + jnp.arange(lanes)) < F, other=0.0).astype(jnp.float32)
   y = gelu.value(z + b[None, :])
   plgpu.store(y_ref.at[pl.ds(r0, rows), pl.ds(c0, lanes)], y.astype(y_ref.dtype), mask=mask)
@@ -114,11 +107,9 @@ def _backward(z: Float[Array, "N F"], b: Float[Array, "F"], dy: Float[Array, "N 
   """(dz in z's dtype, db float32)."""
   N, F = z.shape
   rows, lanes = BWD_TILE
-  P = min(BWD_PROGRAMS, pl.cdiv(N, rows))
-  tiles = pl.cdiv(pl.cdiv(N, rows), P)  # row tiles per program
-  P = pl.cdiv(pl.cdiv(N, rows), tiles)  # no program left with only masked rows
+  P, tiles = tiling.programs(pl.cdiv(N, rows), BWD_PROGRAMS)  # programs, row tiles each
   dz, part = pl.pallas_call(
-      functools.partial(_bwd_kernel, N=N, F=F, rows=rows, lanes=lanes, tiles=tiles),
+      functools.partial(_bwd_kernel, F=F, rows=rows, lanes=lanes, tiles=tiles),
       grid=(P, pl.cdiv(F, lanes)),
       out_shape=[jax.ShapeDtypeStruct((N, F), z.dtype), jax.ShapeDtypeStruct((P, F), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
@@ -127,7 +118,7 @@ def _backward(z: Float[Array, "N F"], b: Float[Array, "F"], dy: Float[Array, "N 
   return dz, part.sum(0)  # (N, F), (F,)
 
 
-def _bwd_kernel(z_ref, b_ref, dy_ref, dz_ref, db_ref, *, N: int, F: int, rows: int, lanes: int, tiles: int):
+def _bwd_kernel(z_ref, b_ref, dy_ref, dz_ref, db_ref, *, F: int, rows: int, lanes: int, tiles: int):
   """Program (p, j): row tiles p * tiles + [0, tiles) of features j * lanes + [0, lanes); writes dz there and
   its column sums into db_ref (P, F) row p."""
   p, c0 = pl.program_id(0), pl.program_id(1) * lanes
@@ -136,8 +127,8 @@ def _bwd_kernel(z_ref, b_ref, dy_ref, dz_ref, db_ref, *, N: int, F: int, rows: i
 
   def tile(i, db):
     r0 = (p * tiles + i) * rows
-    z, mask = _tile(z_ref, r0, c0, rows, lanes, N, F)
-    dy, _ = _tile(dy_ref, r0, c0, rows, lanes, N, F)
+    z, mask = tiling.load(z_ref, r0, c0, rows, lanes)
+    dy, _ = tiling.load(dy_ref, r0, c0, rows, lanes)
     g = dy * gelu.derivative(z + b[None, :])  # 0 where masked (dy is)
     plgpu.store(dz_ref.at[pl.ds(r0, rows), pl.ds(c0, lanes)], g.astype(dz_ref.dtype), mask=mask)
     return db + jnp.sum(g, axis=0)

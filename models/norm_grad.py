@@ -25,6 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
+from models import tiling
+
 ROWS = 2  # rows per tile
 PROGRAMS = 528  # at most; each writes one (D,) partial of dscale and of dbias
 # On the H200, for gpt2-small's (32768, 768): 2 rows, 528 programs and 4 warps beat 4 or 8 rows, 264 to 2112 programs.
@@ -42,10 +44,8 @@ def norm_grad(x: Float[Array, "N D"], dy: Float[Array, "N D"], dres: Float[Array
                      f"{tuple(scale.shape)}")
   if N < 1 or D < 1:
     raise ValueError(f"norm_grad wants at least one row and one feature; got (N, D) = ({N}, {D})")
-  lanes = 1 << (D - 1).bit_length()  # D rounded up to a power of two (Triton's blocks), the rest masked
-  P = min(PROGRAMS, -(-N // ROWS))
-  tiles = -(-N // (P * ROWS))
-  P = -(-N // (tiles * ROWS))  # no program left with only masked rows
+  lanes = tiling.lanes(D)
+  P, tiles = tiling.programs(pl.cdiv(N, ROWS), PROGRAMS)  # programs, row tiles each
   part = jax.ShapeDtypeStruct((P, D), jnp.float32)
   dx, dscale, dbias = pl.pallas_call(
       functools.partial(_kernel, N=N, D=D, lanes=lanes, tiles=tiles),
@@ -68,9 +68,7 @@ def _kernel(x_ref, dy_ref, dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, dsca
   def tile(i, sums):  # ROWS rows: dx written; their dy * xhat and dy added to the program's sums
     r0 = (p * tiles + i) * ROWS
     row = (r0 + jnp.arange(ROWS)) < N  # (ROWS,)
-    both = row[:, None] & col[None, :]  # (ROWS, lanes)
-    load = lambda ref: plgpu.load(ref.at[pl.ds(r0, ROWS), pl.ds(0, lanes)], mask=both, other=0.0).astype(jnp.float32)
-    x, dy, dres = load(x_ref), load(dy_ref), load(dres_ref)  # (ROWS, lanes) each, 0 where masked
+    (x, both), (dy, _), (dres, _) = (tiling.load(ref, r0, 0, ROWS, lanes) for ref in (x_ref, dy_ref, dres_ref))
     mean = plgpu.load(mean_ref.at[pl.ds(r0, ROWS)], mask=row, other=0.0)[:, None]  # (ROWS, 1)
     rstd = plgpu.load(rstd_ref.at[pl.ds(r0, ROWS)], mask=row, other=0.0)[:, None]  # (ROWS, 1)
     xhat = jnp.where(both, (x - mean) * rstd, 0.0)
