@@ -28,7 +28,7 @@ class GPTConfig:
   window: int | None = None  # sliding window: each query sees itself and the window - 1 tokens before it; None = all
   window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled over the layers
   max_segments: int | None = None  # packed rows: the most documents one holds (te runs B * max_segments sequences); None: seq_len
-  kernels: str = "auto"  # the step's own GPU kernels (LayerNorm, bias + GELU, loss): models.kernels.KERNELS
+  kernels: str = "auto"  # the model's own GPU kernels (LayerNorm, bias + GELU, loss): models.kernels.KERNELS
 
   def __post_init__(self):
     kv = self.n_kv_head or self.n_head

@@ -34,8 +34,9 @@ def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], y: Float[Array, "
                      "axis_name (the model's own); call the module itself for others")
   dtype = ln.dtype or jnp.result_type(x, ln.scale[...], ln.bias[...])
   if x.dtype != dtype:  # flax would compute in dtype; x handed back in it would change the residual stream's dtype
-    raise ValueError(f"residual_norm hands x back unchanged, so x must already be in the LayerNorm's compute dtype "
-                     f"{jnp.dtype(dtype).name}; got {x.dtype} (cast x first, or call the module itself)")
+    raise ValueError(f"residual_norm hands the stream (x, or x + y) back in x's dtype, so x must already be in the "
+                     f"LayerNorm's compute dtype {jnp.dtype(dtype).name}; got {x.dtype} (cast x first, or call the "
+                     "module itself)")
   if y is not None and (y.shape != x.shape or y.dtype != x.dtype):
     raise ValueError(f"residual_norm adds y to x in x's dtype, so y must have x's shape and dtype {tuple(x.shape)} "
                      f"{x.dtype}; got {tuple(y.shape)} {y.dtype}")

@@ -112,9 +112,11 @@ def test_added_branch_values_and_gradients(dtype, kernel):
   reference.assert_close(dparams["bias"][...], dbias64, dtype, "grad", "dbias")
 
 
-def test_forward_kernel_ragged_rows_and_masked_lanes():
-  """norm_fwd interpreted against the formula: N not a multiple of its rows per program, D = 65."""
-  N, d = 4 * norm_fwd.ROWS + 3, 65
+@pytest.mark.parametrize("rows", [1, 4])
+def test_forward_kernel_ragged_rows_and_masked_lanes(rows, monkeypatch):
+  """norm_fwd interpreted against the formula: D = 65, and with 4 rows per program N not a multiple of them."""
+  monkeypatch.setattr(norm_fwd, "ROWS", rows)
+  N, d = 4 * rows + 3, 65
   ks = jax.random.split(jax.random.key(3), 4)
   x, y = (2 * jax.random.normal(k, (N, d)) + 1 for k in ks[:2])
   scale, bias = jax.random.normal(ks[2], (d,)), jax.random.normal(ks[3], (d,))

@@ -91,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
                  help="--attn te-fp8 only: its attention core in FP8 (refused where cuDNN's FP8 attention cannot "
                       "take the model, e.g. head dim != 128), FP8 where it can else bf16, or bf16")
   p.add_argument("--kernels", choices=models.KERNELS, default="auto",
-                 help="the step's own GPU kernels (LayerNorm, bias + GELU, the loss's softmax gradient): Pallas ones "
+                 help="the model's own GPU kernels (LayerNorm, bias + GELU, the loss's softmax gradient): Pallas ones "
                       "(pallas; refused off a CUDA GPU; with several devices each runs all of their work), XLA's fusions (xla), or "
                       "auto: pallas on one CUDA GPU, else xla")
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
