@@ -23,6 +23,10 @@ step must carry them: `nnx.split(layer, nnx.Param, FP8Meta)`, and assign their g
 te-fp8 layers are self-attention layers (one input for q, k and v); cross-attention takes
 backend="te".
 
+Calls run Flax's __call__ steps in this class (`_attend`), so that they can take the arguments
+below and compute q, k and v with attnlayers.projection (the same parameters and values, as
+2-D GEMMs whose biases XLA can fuse); a custom `attention_fn` runs Flax's own __call__.
+
 Added call arguments: `segment_ids=` (packed documents: (*batch, T) ids, 0 = padding, or a
 pair (q ids, kv ids) for cross-attention; see attnlayers.attention), `max_segments=` (the most
 documents a row holds; te runs B * max_segments sequences) and `sliding_window=`.
@@ -44,7 +48,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from attnlayers import backends, fp8, kv_cache, spec
+from attnlayers import backends, fp8, kv_cache, projection, spec
 from attnlayers.flax_attention import BackendAttention
 
 
@@ -121,9 +125,11 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       return self._attend(inputs_q, inputs_k, inputs_v, cache=True, lengths=lengths, extra=extra, **kwargs)
     if lengths is not None:
       raise ValueError("lengths= counts the new tokens of a decode call; pass decode=True (or a mask otherwise)")
-    if extra or self.fp8_qkv is not None:  # Flax's __call__ has no way to pass them: the same steps, here
-      return self._attend(inputs_q, inputs_k, inputs_v, cache=False, is_causal=causal, extra=extra, **kwargs)
-    return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode, **kwargs)
+    if custom:
+      return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode, **kwargs)
+    # Flax's __call__ steps, here: its projections cannot take segment_ids / windows / FP8, and
+    # attnlayers.projection writes q/k/v so that XLA can fuse their biases into the GEMMs
+    return self._attend(inputs_q, inputs_k, inputs_v, cache=False, is_causal=causal, extra=extra, **kwargs)
 
   def _attend(self, inputs_q, inputs_k, inputs_v, *, cache: bool, extra: dict, lengths=None, is_causal=False,
               mask=None, deterministic=None, rngs=None, sow_weights: bool = False, out_sharding=None,
@@ -133,6 +139,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     cache: write the new tokens into the KV cache and attend to the row's cache up to them (module
     docstring); else plain self-/cross-attention with `is_causal`. extra: segment_ids / window / max_segments.
     """
+    if inputs_k is None and inputs_v is not None:
+      raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None. To have both `inputs_k` and `inputs_v` "
+                       "be the same value, pass in the value to `inputs_k` and leave `inputs_v` as None.")
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
     if inputs_q.shape[-1] != self.in_features:
@@ -144,9 +153,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         raise ValueError("backend='te-fp8' takes no qkv_sharding (its fused FP8 GEMM); shard the inputs instead")
       query, key, value = self._fused_qkv(inputs_q)
     else:
-      query = self.query(inputs_q, out_sharding=qkv_sharding)  # (*batch, T, N, H)
-      key = self.key(inputs_k, out_sharding=qkv_sharding)  # (*batch, S, K, H)
-      value = self.value(inputs_v, out_sharding=qkv_sharding)
+      query = projection.heads(self.query, inputs_q, qkv_sharding)  # (*batch, T, N, H)
+      key = projection.heads(self.key, inputs_k, qkv_sharding)  # (*batch, S, K, H)
+      value = projection.heads(self.value, inputs_v, qkv_sharding)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     attend = {"is_causal": is_causal}

@@ -41,6 +41,15 @@ PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run
 # a resume must keep them unless TrainConfig.allow_change names them.
 TRAJECTORY = ("steps", "batch_size", "lr", "warmup", "weight_decay", "clip", "dtype")
 SAMPLE_TEMPERATURE = 0.8  # of the end-of-run sample
+# XLA options the step and evaluation compile with (GPU options; other platforms ignore them).
+# cuBLASLt on (XLA's default where jax does not turn it off): it is what takes a bias epilogue.
+# Triton GEMM fusions off: XLA then rewrites each dot straight into cuBLASLt and fuses a vector
+# bias into its epilogue (with them on, the autotuner picked cuBLAS for every GEMM anyway, but
+# the biases stayed separate passes). Dot merging off: merging the k and v GEMMs (one input) made
+# the backward concatenate dk with dv and add two dx. gpt2-small cudnn on the H200: 65.13 ms a
+# step with these, 66.48 ms with XLA's defaults (benchmarks/results/h200/gpt2-small/step.md).
+STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cublaslt": True, "xla_gpu_enable_triton_gemm": False,
+                         "xla_gpu_dot_merger_threshold_mb": 0}
 
 
 class TrainingDiverged(RuntimeError):
@@ -129,7 +138,7 @@ def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
   tx = optim.adamw(cfg.lr, cfg.steps, cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip)
   state = jax.device_put({"params": params, "opt_state": tx.init(params), "fp8": fp8}, replicated)
 
-  @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers hold the new one
+  @functools.partial(jax.jit, donate_argnums=0, compiler_options=STEP_COMPILER_OPTIONS)  # donated: new state in old buffers
   def train_step(state, batch, step):
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)  # dropout depends on (seed, step) only
     loss, (grads, fp8) = jax.value_and_grad(lambda p, f: _loss(graphdef, p, f, batch, key), argnums=(0, 1))(
@@ -137,7 +146,8 @@ def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "fp8": fp8}, loss
 
-  eval_loss = jax.jit(lambda params, fp8, batch: _loss(graphdef, params, fp8, batch, None))
+  eval_loss = jax.jit(lambda params, fp8, batch: _loss(graphdef, params, fp8, batch, None),
+                      compiler_options=STEP_COMPILER_OPTIONS)
   lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
   return Model(graphdef, tx, lr_at, models.count_params(model), train_step, eval_loss), state
 
