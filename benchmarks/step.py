@@ -9,7 +9,9 @@ alone, both ways: float32 (B, T, V) logits + optax, and fused (logits are the la
 activation of a GPT-2-sized vocabulary); the fused loss's softmax - onehot on the kernel that
 --kernels picks ("kernels" in the printed config) and on XLA's fusions. The whole step is timed
 on XLA's fusions too (kernels="xla": the LayerNorms, bias + GELU and the loss as XLA fusions), so the
-same run says what the Pallas kernels buy.
+same run says what the Pallas kernels buy. Everything compiles with the trainer's XLA options
+(train.loop.STEP_COMPILER_OPTIONS), and the whole step once more with XLA's defaults, so the
+same run says what those options buy.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from attnlayers.fp8 import FP8Meta
 from models import kernels
 from models.loss import head_cross_entropy
 from train import optim
-from train.loop import _loss
+from train.loop import STEP_COMPILER_OPTIONS, _loss
 
 
 def main(argv=None) -> None:
@@ -69,21 +71,24 @@ def main(argv=None) -> None:
   def fused_head_loss(wte, h, y):  # the same inputs and work, without the (B, T, V) logits
     return head_cross_entropy(h, wte.astype(h.dtype), y)
 
+  jit = functools.partial(jax.jit, compiler_options=STEP_COMPILER_OPTIONS)  # as the trainer compiles
   parts = {
-      "forward+loss": common.time_fn(jax.jit(loss), params, fp8, x, y),
-      "forward+backward": common.time_fn(jax.jit(jax.grad(loss, argnums=(0, 1))), params, fp8, x, y),
-      "step (with AdamW)": common.time_fn(jax.jit(step), params, fp8, opt_state, x, y),
-      "step, XLA fusions (kernels=xla)": common.time_fn(jax.jit(functools.partial(step, graphdef=graphdef_xla)),
+      "forward+loss": common.time_fn(jit(loss), params, fp8, x, y),
+      "forward+backward": common.time_fn(jit(jax.grad(loss, argnums=(0, 1))), params, fp8, x, y),
+      "step (with AdamW)": common.time_fn(jit(step), params, fp8, opt_state, x, y),
+      "step, XLA's default options": common.time_fn(jax.jit(step), params, fp8, opt_state, x, y),
+      "step, XLA fusions (kernels=xla)": common.time_fn(jit(functools.partial(step, graphdef=graphdef_xla)),
                                                         params, fp8, opt_state, x, y),
-      "output layer+loss fwd+bwd": common.time_fn(jax.jit(jax.grad(head_loss, (0, 1))), wte, h, y),
-      "output layer+fused loss fwd+bwd": common.time_fn(jax.jit(jax.grad(fused_head_loss, (0, 1))), wte, h, y),
-      "... fused, bf16 logits fwd+bwd": common.time_fn(jax.jit(jax.grad(
+      "output layer+loss fwd+bwd": common.time_fn(jit(jax.grad(head_loss, (0, 1))), wte, h, y),
+      "output layer+fused loss fwd+bwd": common.time_fn(jit(jax.grad(fused_head_loss, (0, 1))), wte, h, y),
+      "... fused, bf16 logits fwd+bwd": common.time_fn(jit(jax.grad(
           lambda w, h, y: head_cross_entropy(h, w.astype(h.dtype), y, logits_dtype=h.dtype), (0, 1))), wte, h, y),
-      "... the same, XLA fusions": common.time_fn(jax.jit(jax.grad(
+      "... the same, XLA fusions": common.time_fn(jit(jax.grad(
           lambda w, h, y: head_cross_entropy(h, w.astype(h.dtype), y, logits_dtype=h.dtype, kernel="xla"),
           (0, 1))), wte, h, y),
   }
-  print(json.dumps({"config": a.__dict__, "kernels": kernels.resolve(a.kernels)} | common.environment()))
+  print(json.dumps({"config": a.__dict__, "kernels": kernels.resolve(a.kernels),
+                    "compiler_options": STEP_COMPILER_OPTIONS} | common.environment()))
   for name, t in parts.items():
     print(f"{name:>31}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")
 

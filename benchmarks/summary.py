@@ -135,6 +135,7 @@ INCLUDED = [  # reports kept as their benchmark wrote them: (path under the resu
     ("gpt-1b/fp8_train.md", "gpt-1b, 300 steps: te-fp8 vs cudnn loss (`benchmarks.fp8_train --preset gpt-1b --baseline cudnn`)"),
     ("gpt2-small/train.md", "gpt2-small: the bf16 step and whole-model FP8 (`benchmarks.train --backends cudnn te te-fp8`)"),
     ("gpt2-medium/train.md", "gpt2-medium (`benchmarks.train --preset gpt2-medium --backends cudnn te-fp8`)"),
+    ("gpt2-small/step.md", "gpt2-small: one step by parts (`benchmarks.step --attn cudnn`)"),
 ]
 
 
