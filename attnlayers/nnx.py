@@ -127,6 +127,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("lengths= counts the new tokens of a decode call; pass decode=True (or a mask otherwise)")
     if custom:
       return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode, **kwargs)
+    if decode is None and self.decode is None:  # Flax's own check, and its words
+      raise ValueError("No `decode` argument was provided to MultiHeadAttention as either a __call__ argument, "
+                       "class attribute, or nnx.flag.")
     # Flax's __call__ steps, here: its projections cannot take segment_ids / windows / FP8, and
     # attnlayers.projection writes q/k/v so that XLA can fuse their biases into the GEMMs
     return self._attend(inputs_q, inputs_k, inputs_v, cache=False, is_causal=causal, extra=extra, **kwargs)

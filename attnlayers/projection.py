@@ -4,9 +4,9 @@ Flax's LinearGeneral adds a q/k/v projection's (N, H) bias to the (*batch, T, N,
 XLA's GEMM rewriter fuses a bias into cuBLASLt's epilogue only when it is a vector over the
 GEMM's output columns, so that (N, H) bias stays a separate pass that reads and writes all of
 q, k and v. `heads` computes the same projection as x (.., D) @ kernel (D, N * H) + bias (N * H,)
-and then reshapes, from the same parameters. With the trainer's compiler options
-(train.loop.STEP_COMPILER_OPTIONS) the bias then runs in the GEMM; without them the program is
-the same as Flax's.
+and then reshapes, from the same parameters. Compiled with the trainer's options
+(train.loop.STEP_COMPILER_OPTIONS) on a GPU, the bias then runs in the GEMM, added to its float32
+result before the rounding to the compute dtype.
 """
 
 from __future__ import annotations
@@ -17,23 +17,33 @@ from jaxtyping import Array, Float
 
 
 def plain(linear: nnx.LinearGeneral) -> bool:
-  """Whether `heads` may compute this projection itself: one contracted axis, the last, no batch
-  axes, and jax's own dot_general (a custom dot_general, e.g. an FP8 GEMM, runs as the layer's)."""
-  return (tuple(linear.axis) == (-1,) and not linear.batch_axis and linear.dot_general is None
-          and linear.dot_general_cls is None and linear.preferred_element_type is None)
+  """Whether `heads` may compute this projection itself: Flax's own LinearGeneral class (a subclass
+  may compute something else), one contracted axis, the last, no batch axes, jax's own dot_general
+  (a custom one, e.g. an FP8 GEMM, runs as the layer's) and no output dtype of its own."""
+  return (type(linear) is nnx.LinearGeneral and tuple(linear.axis) == (-1,) and not linear.batch_axis
+          and linear.dot_general is None and linear.dot_general_cls is None
+          and linear.preferred_element_type is None)
+
+
+def _sharded(a: jax.Array) -> bool:
+  """Whether `a` is laid out over devices along some axis (replicated is not): under explicit mesh
+  axes jax refuses the reshape of such a kernel, so it runs as the layer's own call."""
+  spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+  return spec is not None and any(s is not None for s in spec)
 
 
 def heads(linear: nnx.LinearGeneral, x: Float[Array, "*batch T D"], out_sharding=None) -> Float[Array, "*batch T N H"]:
   """linear(x) for x (*batch, T, D) and a LinearGeneral D -> (N, H): (*batch, T, N, H).
 
-  The same parameters and promotion as the layer's own call, written as one 2-D GEMM plus a
-  vector bias. Projections `plain` refuses, and calls with an out_sharding (a sharding of the
-  4-D result), run as the layer's own call."""
-  if out_sharding is not None or not plain(linear):
+  The same parameters and promotion (the layer's promote_dtype sees the parameters' own shapes)
+  as the layer's call, written as one 2-D GEMM plus a vector bias. Projections `plain` refuses,
+  kernels split over devices, and calls with an out_sharding (a sharding of the 4-D result) run
+  as the layer's own call."""
+  if out_sharding is not None or not plain(linear) or _sharded(linear.kernel[...]):
     return linear(x, out_sharding=out_sharding)
-  kernel = linear.kernel[...].reshape(linear.kernel.shape[0], -1)  # (D, N * H)
-  bias = None if linear.bias is None else linear.bias[...].reshape(-1)  # (N * H,)
-  x, kernel, bias = linear.promote_dtype((x, kernel, bias), dtype=linear.dtype)
+  bias = None if linear.bias is None else linear.bias[...]
+  x, kernel, bias = linear.promote_dtype((x, linear.kernel[...], bias), dtype=linear.dtype)
+  kernel = kernel.reshape(kernel.shape[0], -1)  # (D, N, H) -> (D, N * H)
   y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision)
-  y = y if bias is None else y + bias  # (*batch, T, N * H)
+  y = y if bias is None else y + bias.reshape(-1)  # (*batch, T, N * H) + (N * H,)
   return y.reshape(*y.shape[:-1], *linear.out_features)  # (*batch, T, N, H)

@@ -31,7 +31,9 @@ def test_the_layers_q_k_v_and_out_biases_run_in_the_gemms():
   x = jax.random.normal(jax.random.key(0), (2, 256, 768), jnp.bfloat16)  # (B, T, D)
   ours = MultiHeadAttention(**kwargs, backend="cudnn", is_causal=True, rngs=nnx.Rngs(0))
   assert _fused_biases(ours, x) == 4
-  assert _fused_biases(nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0)), x) == 1  # the output projection's
+  # Flax's: its output projection's bias only (1 on the H200 with jax 0.11.2); should XLA learn to fuse
+  # an (N, H) bias, this fails, and attnlayers.projection is no longer needed
+  assert _fused_biases(nnx.MultiHeadAttention(**kwargs, rngs=nnx.Rngs(0)), x) < 4
 
 
 def test_every_block_bias_but_the_mlp_input_runs_in_a_gemm():
