@@ -24,8 +24,9 @@ te-fp8 layers are self-attention layers (one input for q, k and v); cross-attent
 backend="te".
 
 Calls run Flax's __call__ steps in this class (`_attend`), so that they can take the arguments
-below and compute q, k and v with attnlayers.projection (the same parameters and values, as
-2-D GEMMs whose biases XLA can fuse); a custom `attention_fn` runs Flax's own __call__.
+below and compute q, k and v with attnlayers.projection (the same parameters, as 2-D GEMMs whose
+biases XLA can fuse into the GEMM; see there for the rounding); a custom `attention_fn` runs
+Flax's own __call__.
 
 Added call arguments: `segment_ids=` (packed documents: (*batch, T) ids, 0 = padding, or a
 pair (q ids, kv ids) for cross-attention; see attnlayers.attention), `max_segments=` (the most
