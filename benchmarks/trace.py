@@ -2,8 +2,14 @@
 
 Reads the perfetto_trace.json.gz that `python -m train --profile-dir` (jax.profiler)
 writes and prints, for the GPU: the span, the time some kernel was running, the idle
-rest, time per kernel family (matmul, attention, other fused XLA kernels, copies) and the
-longest kernels by total time.
+rest, time and kernel launches per kernel family (matmul, attention, other fused XLA kernels,
+copies), the same split by the part of the step each kernel belongs to, and the longest kernels
+by total time.
+
+The part comes from the JAX operation each kernel ran for (the trace's op name): "backward"
+where jax.grad transposed it (`transpose(...)` in the name), "forward" where it differentiated
+it (`jvp(...)`, the forward pass that the backward follows), "rest" otherwise: the optimizer
+update and whatever XLA put together from several operations, which carries no one name.
 """
 
 from __future__ import annotations
@@ -20,8 +26,18 @@ FAMILIES = [  # first match wins
     ("attention (cuDNN/flash)", re.compile(r"cudnn|fmha|flash|fprop|dgrad|sdpa", re.I)),
     ("matmul (cuBLAS/GEMM)", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma|sm90_", re.I)),
     ("copies/memset", re.compile(r"memcpy|memset|copy", re.I)),
-    ("other XLA fusions", re.compile(r".")),
+    ("other (XLA fusions, Pallas)", re.compile(r".")),
 ]
+PARTS = [("backward", re.compile(r"transpose\(")), ("forward", re.compile(r"jvp\(")), ("rest", re.compile(r""))]
+
+
+def family(kernel: str) -> str:
+  return next(f for f, rx in FAMILIES if rx.search(kernel))
+
+
+def part(op_name: str) -> str:
+  """"backward", "forward" or "rest" for the op name a kernel's trace event carries (the module docstring)."""
+  return next(p for p, rx in PARTS if rx.search(op_name))
 
 
 def load(path: str) -> list[dict]:
@@ -48,11 +64,16 @@ def summarize(events: list[dict]) -> dict:
   by_name = collections.Counter()
   for e in kernels:
     by_name[e["name"]] += e["dur"]
-  by_family = collections.Counter()
-  for name, dur in by_name.items():
-    by_family[next(f for f, rx in FAMILIES if rx.search(name))] += dur
+  by_family, by_part, launches = collections.Counter(), collections.Counter(), collections.Counter()
+  for e in kernels:
+    f, p = family(e["name"]), part(str(e.get("args", {}).get("name", "")))
+    by_family[f] += e["dur"]
+    by_part[p, f] += e["dur"]
+    launches[f] += 1
   return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "kernel_ms": sum(by_name.values()) / 1e3,
           "families_ms": {k: v / 1e3 for k, v in by_family.most_common()},
+          "launches": dict(launches),
+          "parts_ms": {p: {f: by_part[p, f] / 1e3 for f in by_family if by_part[p, f]} for p, _ in PARTS},
           "top_kernels_ms": {k: v / 1e3 for k, v in by_name.most_common(15)}}
 
 
@@ -66,7 +87,10 @@ def main(argv=None) -> None:
   print(f"GPU span {s['span_ms'] / n:.2f} ms/step, busy {s['busy_ms'] / n:.2f} ms/step "
         f"({s['busy_ms'] / s['span_ms']:.1%}), idle {(s['span_ms'] - s['busy_ms']) / n:.2f} ms/step")
   for k, v in s["families_ms"].items():
-    print(f"  {k:<26} {v / n:8.2f} ms/step  {v / s['kernel_ms']:6.1%}")
+    print(f"  {k:<26} {v / n:8.2f} ms/step  {v / s['kernel_ms']:6.1%}  {s['launches'][k] / n:6.1f} kernels/step")
+  print("by part of the step (ms/step):")
+  for p, fams in s["parts_ms"].items():
+    print(f"  {p:<9} {sum(fams.values()) / n:8.2f}  " + ", ".join(f"{f} {v / n:.2f}" for f, v in fams.items()))
   print("longest kernels (ms/step):")
   for k, v in s["top_kernels_ms"].items():
     print(f"  {v / n:8.2f}  {k[:110]}")

@@ -1,0 +1,61 @@
+"""benchmarks.trace: GPU time by kernel family and by part of the step, from a profiler trace's events."""
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks import trace
+
+
+def _events():
+  meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+  k = lambda name, ts, dur, op, pid=7: {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": dur, "args": {"name": op}}
+  return meta + [
+      k("nvjet_sm90_tst_128x128_bias_NNT", 0, 10, "jit(train_step)/jvp()/dot_general"),
+      k("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 10, 5, "jit(train_step)/jvp()/dot_product_attention"),
+      k("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 15, 12, "jit(train_step)/transpose(jvp())/dpa"),
+      k("nvjet_sm90_tst_192x192_splitK_NTN", 27, 20, "jit(train_step)/transpose(jvp())/dot_general"),
+      k("loop_add_fusion", 50, 3, "jit(train_step)"),  # the optimizer: no jvp, no transpose
+      k("Memset 3", 53, 1, "jit(train_step)/transpose(jvp())/dpa"),
+      k("_kernel__2", 54, 6, "jit(train_step)/jvp()/while/body/pallas_call"),
+      k("host_thing", 0, 1000, "jit(train_step)/jvp()", pid=1),  # not on the GPU: left out
+  ]
+
+
+def test_summarize_splits_time_by_family_and_part():
+  s = trace.summarize(_events())
+  assert s["span_ms"] == pytest.approx(0.060) and s["busy_ms"] == pytest.approx(0.057)  # idle from 47 to 50 us
+  assert s["families_ms"] == pytest.approx({"matmul (cuBLAS/GEMM)": 0.030, "attention (cuDNN/flash)": 0.017,
+                                            "other (XLA fusions, Pallas)": 0.009, "copies/memset": 0.001})
+  assert s["launches"] == {"matmul (cuBLAS/GEMM)": 2, "attention (cuDNN/flash)": 2, "other (XLA fusions, Pallas)": 2,
+                           "copies/memset": 1}
+  parts = s["parts_ms"]
+  assert parts["forward"] == pytest.approx({"matmul (cuBLAS/GEMM)": 0.010, "attention (cuDNN/flash)": 0.005,
+                                            "other (XLA fusions, Pallas)": 0.006})
+  assert parts["backward"] == pytest.approx({"matmul (cuBLAS/GEMM)": 0.020, "attention (cuDNN/flash)": 0.012,
+                                             "copies/memset": 0.001})
+  assert parts["rest"] == pytest.approx({"other (XLA fusions, Pallas)": 0.003})
+
+
+@pytest.mark.parametrize("op, want", [("jit(f)/transpose(jvp(jit(_take)))/scatter-add", "backward"),
+                                      ("jit(f)/jvp()/while/body/add", "forward"), ("jit(f)", "rest"), ("", "rest")])
+def test_part_of_an_op_name(op, want):
+  assert trace.part(op) == want
+
+
+def test_main_prints_per_step_figures(tmp_path, capsys):
+  path = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": _events()}, f)
+  trace.main([str(tmp_path), "--steps", "2"])
+  out = capsys.readouterr().out
+  assert "GPU span 0.03 ms/step" in out and "by part of the step" in out
+  assert "backward      0.02" in out  # 0.033 ms over 2 steps
+  assert "kernels/step" in out
+
+
+def test_a_trace_without_gpu_kernels_is_refused():
+  with pytest.raises(SystemExit, match="no GPU kernels"):
+    trace.summarize(_events()[:2])
