@@ -193,11 +193,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     kernels side by side, (D, (N + 2K) H), and the biases the same way; what the three projections compute."""
     projs = (self.query, self.key, self.value)
     heads = [p.kernel.shape[1:] for p in projs]  # (N, H), (K, H), (K, H)
-    kernel = jnp.concatenate([p.kernel[...].reshape(x.shape[-1], -1) for p in projs], axis=1)  # (D, (N + 2K) H)
-    bias = jnp.concatenate([p.bias[...].reshape(-1) for p in projs]) if self.use_bias else None  # ((N + 2K) H,)
-    x, kernel, bias = self.query.promote_dtype((x, kernel, bias), dtype=self.query.dtype)
-    y = self.fp8_qkv(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.query.precision)  # (*batch, T, (N + 2K) H)
-    y = y if bias is None else y + bias
+    promoted = [p.promote_dtype((x, p.kernel[...], None if p.bias is None else p.bias[...]), dtype=p.dtype)
+                for p in projs]  # each (x, kernel (D, n, H), bias (n, H) | None) in the compute dtype
+    x = promoted[0][0]
+    kernel = jnp.concatenate([k.reshape(k.shape[0], -1) for _, k, _ in promoted], axis=1)  # (D, (N + 2K) H)
+    bias = jnp.concatenate([b.reshape(-1) for _, _, b in promoted]) if self.use_bias else None  # ((N + 2K) H,)
+    y = projection.dense(x, kernel, bias, dot_general=self.fp8_qkv, precision=self.query.precision)  # (*batch, T, (N + 2K) H)
     sizes = [n * h for n, h in heads]
     parts = jnp.split(y, [sizes[0], sizes[0] + sizes[1]], axis=-1)
     return tuple(part.reshape(*part.shape[:-1], *hs) for part, hs in zip(parts, heads))  # (*batch, T, heads, H)

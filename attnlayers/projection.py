@@ -16,6 +16,15 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 
+def dense(x: Float[Array, "*batch D"], kernel: Float[Array, "D F"], bias: Float[Array, "F"] | None = None, *,
+          dot_general=jax.lax.dot_general, precision=None, **kwargs) -> Float[Array, "*batch F"]:
+  """x @ kernel (+ bias): the one GEMM shape of every projection in this package and the model, arguments
+  already promoted. dot_general: jax's, or a module's own (an FP8 GEMM under te-fp8); kwargs go to it
+  (e.g. preferred_element_type)."""
+  y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision, **kwargs)  # (*batch, F)
+  return y if bias is None else y + bias
+
+
 def plain(linear: nnx.LinearGeneral) -> bool:
   """Whether `heads` may compute this projection itself: Flax's own LinearGeneral class (a subclass
   may compute something else), one contracted axis, the last, no batch axes, jax's own dot_general
@@ -43,7 +52,6 @@ def heads(linear: nnx.LinearGeneral, x: Float[Array, "*batch T D"], out_sharding
     return linear(x, out_sharding=out_sharding)
   bias = None if linear.bias is None else linear.bias[...]
   x, kernel, bias = linear.promote_dtype((x, linear.kernel[...], bias), dtype=linear.dtype)
-  kernel = kernel.reshape(kernel.shape[0], -1)  # (D, N, H) -> (D, N * H)
-  y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision)
-  y = y if bias is None else y + bias.reshape(-1)  # (*batch, T, N * H) + (N * H,)
+  y = dense(x, kernel.reshape(kernel.shape[0], -1), None if bias is None else bias.reshape(-1),
+            precision=linear.precision)  # (*batch, T, D) @ (D, N * H) + (N * H,)
   return y.reshape(*y.shape[:-1], *linear.out_features)  # (*batch, T, N, H)

@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from attnlayers import projection
 from attnlayers.fp8 import FP8Recipe, use_fp8_dense
 from attnlayers.nnx import MultiHeadAttention
 from models.config import GPTConfig
@@ -79,7 +80,7 @@ def _unbiased(linear: nnx.Linear, x: Float[Array, "B T D"]) -> Float[Array, "B T
   dot_general (an FP8 GEMM under te-fp8)."""
   x, kernel = linear.promote_dtype((x, linear.kernel[...]), dtype=linear.dtype)
   extra = {} if linear.preferred_element_type is None else {"preferred_element_type": linear.preferred_element_type}
-  return linear.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=linear.precision, **extra)
+  return projection.dense(x, kernel, dot_general=linear.dot_general, precision=linear.precision, **extra)
 
 
 class GPT(nnx.Module):
