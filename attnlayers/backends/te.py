@@ -159,12 +159,16 @@ def run(q, k, v, opts: Options):
   # TE 2.20.2 MHA). finish() zeroes that row's outputs, so its gradients are exactly zero as the rule says.
   lengths = te.SequenceDescriptor.from_seqlens(tuple(jnp.maximum(x, 1) for x in _masks.lengths(opts, B, T, S)))
   bias = _as_bias(opts.mask, opts.bias, N, T, S, q.dtype)  # (1|B, N, T, S) or None
-  out = te.fused_attn(
-      (q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, bias is not None),
-      attn_mask_type=_mask_type(te, call), qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD,
-      softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX, scaling_factor=opts.scale, dropout_probability=0.0,
-      is_training=True, window_size=_window_size(call))
+  out = te.fused_attn((q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, bias is not None),
+                      qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD, **_shared_args(te, opts, call))
   return _masks.finish(out, opts, S)
+
+
+def _shared_args(te, opts: Options, call) -> dict:
+  """The fused_attn arguments of both layouts: mask type, softmax, scale, no dropout, training, window."""
+  return {"attn_mask_type": _mask_type(te, call), "softmax_type": te.AttnSoftmaxType.VANILLA_SOFTMAX,
+          "scaling_factor": opts.scale, "dropout_probability": 0.0, "is_training": True,
+          "window_size": _window_size(call)}
 
 
 def _run_packed(te, q, k, v, opts: Options, call):
@@ -173,9 +177,6 @@ def _run_packed(te, q, k, v, opts: Options, call):
   rid, pos, ok = _packing.runs(opts.q_segment_ids, M)  # (B, T), (B, T), (B,)
   _packing.check_concrete(ok, NAME)
   desc = te.SequenceDescriptor.from_segment_ids_and_pos(rid, pos)
-  out = te.fused_attn(
-      (q, k, v), None, desc, None, attn_bias_type=te.AttnBiasType.NO_BIAS, attn_mask_type=_mask_type(te, call),
-      qkv_layout=te.QKVLayout.THD_THD_THD, softmax_type=te.AttnSoftmaxType.VANILLA_SOFTMAX,
-      scaling_factor=opts.scale, dropout_probability=0.0, is_training=True, max_segments_per_seq=M,
-      window_size=_window_size(call))
+  out = te.fused_attn((q, k, v), None, desc, None, attn_bias_type=te.AttnBiasType.NO_BIAS,
+                      qkv_layout=te.QKVLayout.THD_THD_THD, max_segments_per_seq=M, **_shared_args(te, opts, call))
   return _packing.poison(_masks.finish(out, opts, k.shape[1]), ok)
