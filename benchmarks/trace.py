@@ -8,8 +8,12 @@ by total time.
 
 The part comes from the JAX operation each kernel ran for (the trace's op name): "backward"
 where jax.grad transposed it (`transpose(...)` in the name), "forward" where it differentiated
-it (`jvp(...)`, the forward pass that the backward follows), "rest" otherwise: the optimizer
-update and whatever XLA put together from several operations, which carries no one name.
+it (`jvp(...)`, the forward pass that the backward follows), "rest" for other names (the
+optimizer update), and "unnamed" for kernels whose event carries no op name: XLA launches most
+of a step's kernels from CUDA graphs (its command buffers, on by default), and those events come
+without one, as do fusions XLA made from several operations. A trace of the trainer's step is then
+mostly "unnamed"; the families above are unaffected. XLA's own flag names them, at the cost of
+running the step without CUDA graphs: XLA_FLAGS=--xla_gpu_enable_command_buffer= for the traced run.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ FAMILIES = [  # first match wins
     ("copies/memset", re.compile(r"memcpy|memset|copy", re.I)),
     ("other (XLA fusions, Pallas)", re.compile(r".")),
 ]
-PARTS = [("backward", re.compile(r"transpose\(")), ("forward", re.compile(r"jvp\(")), ("rest", re.compile(r""))]
+PARTS = [("backward", re.compile(r"transpose\(")), ("forward", re.compile(r"jvp\(")), ("rest", re.compile(r".")),
+         ("unnamed", re.compile(r""))]
 
 
 def family(kernel: str) -> str:
@@ -36,7 +41,7 @@ def family(kernel: str) -> str:
 
 
 def part(op_name: str) -> str:
-  """"backward", "forward" or "rest" for the op name a kernel's trace event carries (the module docstring)."""
+  """"backward", "forward", "rest" or "unnamed" for the op name a kernel's trace event carries (module docstring)."""
   return next(p for p, rx in PARTS if rx.search(op_name))
 
 
@@ -90,6 +95,8 @@ def main(argv=None) -> None:
     print(f"  {k:<26} {v / n:8.2f} ms/step  {v / s['kernel_ms']:6.1%}  {s['launches'][k] / n:6.1f} kernels/step")
   print("by part of the step (ms/step):")
   for p, fams in s["parts_ms"].items():
+    if not fams:
+      continue
     print(f"  {p:<9} {sum(fams.values()) / n:8.2f}  " + ", ".join(f"{f} {v / n:.2f}" for f, v in fams.items()))
   print("longest kernels (ms/step):")
   for k, v in s["top_kernels_ms"].items():
