@@ -53,6 +53,18 @@ from attnlayers import backends, fp8, kv_cache, projection, spec
 from attnlayers.flax_attention import BackendAttention
 
 
+# The Flax releases whose nnx.MultiHeadAttention.__call__ the steps below (__call__'s checks and _attend) were
+# read against, by the sha256 of the method's source; tests/test_nnx.py fails on any other, so that a Flax
+# release that changes those steps is read before this copy runs it.
+FLAX_CALL_SOURCE_SHA256 = {
+    "6dce382523b0e9d017c213ba8cd062af240f8cda45df7c42caa965d60e77bedc": "0.12.8",
+    "54ec641fdb572e03862fc45bb80721d6e63277b889e0a9d7b28bc8e18b5fbedf":
+        "0.12.9 and 0.12.10 (input_positions=, passed on to the attention_fn)",
+    "94a34ef2b731a8e937ee92dfc13438d4a4072804f94f58b7cf34dfdea3e3bd81":
+        "0.12.11 and 0.12.12 (is_causal ignored when decoding, where the cache masks)",
+}
+
+
 class MultiHeadAttention(nnx.MultiHeadAttention):
   """Drop-in for flax.nnx.MultiHeadAttention; `backend` picks the attention kernel.
 
@@ -111,6 +123,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("backend='te-fp8' projects q, k and v of one input as one FP8 GEMM (self-attention); for "
                        "cross-attention (inputs_k / inputs_v other than inputs_q) use backend='te'")
     custom = not isinstance(self.attention_fn, BackendAttention)  # a custom attention_fn takes Flax's arguments only
+    if "input_positions" in kwargs and not custom:  # Flax 0.12.9 and later hand it to the attention_fn
+      raise ValueError("input_positions= is passed on to a custom attention_fn (e.g. Flax's "
+                       "dot_product_attention_with_rope); the layer's own backends apply no rotary embedding. "
+                       "Rotate q and k in an attention_fn of your own, or leave input_positions out")
     if custom and extra:
       raise ValueError("segment_ids= and sliding windows need the layer's own backends; a custom attention_fn "
                        "takes Flax's arguments only")

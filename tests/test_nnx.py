@@ -1,18 +1,21 @@
 """attnlayers.nnx.MultiHeadAttention against flax.nnx.MultiHeadAttention and the float64 reference."""
 
+import hashlib
+import inspect
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import flax
 from flax import nnx
 
 import attnlayers
 from attnlayers.fp8 import OPERANDS as FP8_OPERANDS
 from attnlayers.fp8 import FP8Meta, FP8Recipe, FP8Unavailable
 from attnlayers.flax_attention import BackendAttention
-from attnlayers.nnx import MultiHeadAttention
+from attnlayers.nnx import FLAX_CALL_SOURCE_SHA256, MultiHeadAttention
 from tests import cases, reference
 
 D = 32  # model width
@@ -215,3 +218,19 @@ def test_fp8_recipe_is_checked():
     MultiHeadAttention(4, D, backend="xla", fp8_recipe=FP8Recipe(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="'delayed' or 'current'"):
     FP8Recipe(kind="mxfp8")
+
+
+def test_flax_call_is_one_the_layer_was_checked_against():
+  """The layer runs its own copy of Flax's __call__ steps; a Flax release that changes them shows here."""
+  digest = hashlib.sha256(inspect.getsource(nnx.MultiHeadAttention.__call__).encode()).hexdigest()
+  assert digest in FLAX_CALL_SOURCE_SHA256, (
+      f"flax {flax.__version__}'s nnx.MultiHeadAttention.__call__ (sha256 {digest}) is none of those attnlayers.nnx "
+      f"was checked against ({'; '.join(FLAX_CALL_SOURCE_SHA256.values())}): compare its steps with "
+      "MultiHeadAttention.__call__ and _attend there, then add its digest to FLAX_CALL_SOURCE_SHA256")
+
+
+def test_input_positions_go_to_a_custom_attention_fn_only():
+  ours, _ = pair()
+  x, _ = x_and_mask()
+  with pytest.raises(ValueError, match="input_positions= is passed on to a custom attention_fn"):
+    ours(x, input_positions=jnp.arange(8)[None])
