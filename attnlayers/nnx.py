@@ -46,6 +46,8 @@ Flax's decode step computes. Decoding past `max_length` is an error (NaN rows un
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -123,7 +125,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("backend='te-fp8' projects q, k and v of one input as one FP8 GEMM (self-attention); for "
                        "cross-attention (inputs_k / inputs_v other than inputs_q) use backend='te'")
     custom = not isinstance(self.attention_fn, BackendAttention)  # a custom attention_fn takes Flax's arguments only
-    if "input_positions" in kwargs and not custom:  # Flax 0.12.9 and later hand it to the attention_fn
+    if not custom and kwargs.pop("input_positions", None) is not None:  # Flax 0.12.9+ hand it to the attention_fn
       raise ValueError("input_positions= is passed on to a custom attention_fn (e.g. Flax's "
                        "dot_product_attention_with_rope); the layer's own backends apply no rotary embedding. "
                        "Rotate q and k in an attention_fn of your own, or leave input_positions out")
@@ -209,8 +211,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     kernels side by side, (D, (N + 2K) H), and the biases the same way; what the three projections compute."""
     projs = (self.query, self.key, self.value)
     heads = [p.kernel.shape[1:] for p in projs]  # (N, H), (K, H), (K, H)
-    promoted = [p.promote_dtype((x, p.kernel[...], None if p.bias is None else p.bias[...]), dtype=p.dtype)
-                for p in projs]  # each (x, kernel (D, n, H), bias (n, H) | None) in the compute dtype
+    promote = functools.partial(self.query.promote_dtype, dtype=self.query.dtype)  # as the query's call promotes
+    promoted = [promote((x, p.kernel[...], None if p.bias is None else p.bias[...])) for p in projs]
+    # each (x, kernel (D, n, H), bias (n, H) | None) in the compute dtype, cast before they are joined
     x = promoted[0][0]
     kernel = jnp.concatenate([k.reshape(k.shape[0], -1) for _, k, _ in promoted], axis=1)  # (D, (N + 2K) H)
     bias = jnp.concatenate([b.reshape(-1) for _, _, b in promoted]) if self.use_bias else None  # ((N + 2K) H,)

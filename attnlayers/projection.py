@@ -18,9 +18,9 @@ from jaxtyping import Array, Float
 
 def dense(x: Float[Array, "*batch D"], kernel: Float[Array, "D F"], bias: Float[Array, "F"] | None = None, *,
           dot_general=jax.lax.dot_general, precision=None, **kwargs) -> Float[Array, "*batch F"]:
-  """x @ kernel (+ bias): the one GEMM shape of every projection in this package and the model, arguments
-  already promoted. dot_general: jax's, or a module's own (an FP8 GEMM under te-fp8); kwargs go to it
-  (e.g. preferred_element_type)."""
+  """x @ kernel (+ bias) over x's last axis, arguments already promoted: the q/k/v projections (`heads`, and
+  te-fp8's fused q/k/v) and the model's first MLP GEMM (models.gpt). dot_general: jax's, or a module's own
+  (an FP8 GEMM under te-fp8); kwargs go to it (e.g. preferred_element_type)."""
   y = dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=precision, **kwargs)  # (*batch, F)
   return y if bias is None else y + bias
 

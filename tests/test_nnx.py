@@ -230,7 +230,14 @@ def test_flax_call_is_one_the_layer_was_checked_against():
 
 
 def test_input_positions_go_to_a_custom_attention_fn_only():
-  ours, _ = pair()
+  """Refused on the layer's own backends, plain calls and decode calls alike; None (Flax's default) passes."""
+  ours, flax_layer = pair()
   x, _ = x_and_mask()
+  positions = jnp.arange(8)[None]
   with pytest.raises(ValueError, match="input_positions= is passed on to a custom attention_fn"):
-    ours(x, input_positions=jnp.arange(8)[None])
+    ours(x, input_positions=positions)
+  np.testing.assert_array_equal(ours(x, input_positions=None), flax_layer(x))
+  ours.init_cache((2, 8, D))
+  with pytest.raises(ValueError, match="input_positions= is passed on to a custom attention_fn"):
+    ours(x[:, :1], decode=True, input_positions=positions[:, :1])
+  ours(x[:, :1], decode=True, input_positions=None)
