@@ -8,10 +8,10 @@ by total time.
 
 The part comes from the JAX operation each kernel ran for (the trace's op name): "backward"
 where jax.grad transposed it (`transpose(...)` in the name), "forward" where it differentiated
-it (`jvp(...)`, the forward pass that the backward follows), "rest" for other names (the
-optimizer update), and "unnamed" for kernels whose event carries no op name: XLA launches most
-of a step's kernels from CUDA graphs (its command buffers, on by default), and those events come
-without one, as do fusions XLA made from several operations. A trace of the trainer's step is then
+it (`jvp(...)`, the forward pass that the backward follows), "rest" for other names (what the
+step does outside the gradient: the optimizer update), and "unnamed" for kernels whose event
+carries no op name. XLA launches most of a step's kernels from CUDA graphs (its command
+buffers, on by default), and those events come without one, so a trace of the trainer's step is
 mostly "unnamed"; the families above are unaffected. XLA's own flag names them, at the cost of
 running the step without CUDA graphs: XLA_FLAGS=--xla_gpu_enable_command_buffer= for the traced run.
 """
@@ -78,7 +78,8 @@ def summarize(events: list[dict]) -> dict:
   return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "kernel_ms": sum(by_name.values()) / 1e3,
           "families_ms": {k: v / 1e3 for k, v in by_family.most_common()},
           "launches": dict(launches),
-          "parts_ms": {p: {f: by_part[p, f] / 1e3 for f in by_family if by_part[p, f]} for p, _ in PARTS},
+          "parts_ms": {p: {f: by_part[p, f] / 1e3 for f, _ in by_family.most_common() if by_part[p, f]}
+                       for p, _ in PARTS},
           "top_kernels_ms": {k: v / 1e3 for k, v in by_name.most_common(15)}}
 
 

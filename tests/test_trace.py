@@ -58,6 +58,21 @@ def test_main_prints_per_step_figures(tmp_path, capsys):
   assert "kernels/step" in out
 
 
+def test_events_as_jax_profiler_writes_them():
+  """Two kernel events as an H200 trace of the training step holds them: with the op name (a step compiled
+  without CUDA graphs; argument values copied from such a trace) and without (from a CUDA graph)."""
+  named = {"ph": "X", "pid": 7, "ts": 0.0, "dur": 200.32, "name": "nvjet_sm90_tst_128x160_64x5_2x1_v_bz_TNT",
+           "args": {"context_id": "$$1", "correlation_id": "538", "hlo_module": "jit_train_step",
+                    "hlo_op": "custom-call.293", "name": "jit(train_step)/transpose(jvp())/dot_general",
+                    "scope_range_id": "281474976711115", "tf_op": "XlaModule:", "unique_hlo_op_id": "828928689420"}}
+  from_graph = {"ph": "X", "pid": 7, "tid": 1202383506, "ts": 300.0, "dur": 14.167,
+                "name": "nvjet_sm90_tst_128x128_64x6_2x1_v_bz_bias_NNT",
+                "args": {"context_id": "$$1", "correlation_id": "3", "device_id": "0", "scope_range_id": "281474976710666"}}
+  s = trace.summarize(_events()[:2] + [named, from_graph])
+  assert s["parts_ms"]["backward"] == pytest.approx({"matmul (cuBLAS/GEMM)": 0.20032})
+  assert s["parts_ms"]["unnamed"] == pytest.approx({"matmul (cuBLAS/GEMM)": 0.014167})
+
+
 def test_a_trace_without_gpu_kernels_is_refused():
   with pytest.raises(SystemExit, match="no GPU kernels"):
     trace.summarize(_events()[:2])
