@@ -13,9 +13,10 @@ float32 arithmetic as models.loss's XLA path; only the order of the row sums dif
 would take about 0.26 ms (the second read does not come from L2: a 100 KB row per program and
 thousands of programs in flight do not fit). Holding the whole row in registers instead (one
 read) spilled and ran 1.6 ms or more. A persistent grid, 132 to 528 programs each walking rows
-pid, pid + P, ... (fewer rows in flight, so that the second sweep might come from L2), took 0.6064
-to 1.4426 ms over 30 settings of programs, BLOCK, warps and stages, against 0.5915 ms for this
-kernel timed alone in the same process (one call per timing, so launch time included).
+pid, pid + P, ... (fewer rows in flight, so that the second sweep might come from L2), was no
+faster: 0.6064 to 1.4426 ms over 30 settings of programs, BLOCK, warps and stages, against
+0.5915 ms for this kernel, each timed alone in one process, one call per timing (so with the
+launch, which the 0.381 ms above, from a profile, leaves out).
 
 models.kernels says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any backend
 (slowly), which is how the CPU tests check it.
