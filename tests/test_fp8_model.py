@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import models
+from attnlayers.device import has_module
 from attnlayers.fp8 import FP8Meta, FP8Unavailable
 from attnlayers.flax_attention import BackendAttention
 from attnlayers.nnx import MultiHeadAttention
@@ -39,6 +40,8 @@ def test_te_fp8_gpt_keeps_the_parameter_tree_and_adds_fp8_state_to_every_block_g
   assert not nnx.state(plain, FP8Meta)
 
 
+@pytest.mark.skipif(has_module("transformer_engine") and jax.default_backend() == "gpu",
+                    reason="TransformerEngine and a GPU are both here, so te-fp8 runs (tests/test_gpu_te.py checks it)")
 def test_te_fp8_gpt_refuses_without_a_gpu_and_transformer_engine():
   model = models.GPT(tiny("te-fp8"), rngs=nnx.Rngs(0))
   with pytest.raises(FP8Unavailable) as err:
