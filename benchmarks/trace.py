@@ -2,7 +2,7 @@
 
 Reads the perfetto_trace.json.gz that `python -m train --profile-dir` (jax.profiler)
 writes and prints, for the GPU: the span, the time some kernel was running, the idle
-rest, time and kernel launches per kernel family (matmul, attention, other fused XLA kernels,
+rest, time and kernels run per kernel family (matmul, attention, other fused XLA kernels,
 copies), the same split by the part of the step each kernel belongs to, and the longest kernels
 by total time.
 
@@ -53,31 +53,44 @@ def load(path: str) -> list[dict]:
   return d["traceEvents"] if isinstance(d, dict) else d
 
 
-def summarize(events: list[dict]) -> dict:
+def gpu_kernels(events: list[dict]) -> list[dict]:
+  """The trace's GPU kernel (and copy) events, with their durations."""
   gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
               and "GPU" in str(e.get("args", {}).get("name", ""))}
-  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur")]
-  if not kernels:
-    raise SystemExit("no GPU kernels in this trace (was it recorded on a GPU?)")
-  spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+  return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and e.get("dur")]
+
+
+def gpu_span(events: list[dict]) -> tuple[float, float] | None:
+  """(span, busy) in microseconds: first kernel start to last kernel end, and the time some kernel ran (the
+  union of their intervals over all streams); None where the trace holds no GPU kernel."""
+  spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu_kernels(events))
+  if not spans:
+    return None
   busy, end = 0.0, spans[0][0]
-  for a, b in spans:  # union of kernel intervals over all streams
+  for a, b in spans:
     if b > end:
       busy += b - max(a, end)
       end = b
-  span = spans[-1][1] - spans[0][0]
+  return spans[-1][1] - spans[0][0], busy
+
+
+def summarize(events: list[dict]) -> dict:
+  kernels = gpu_kernels(events)
+  if not kernels:
+    raise SystemExit("no GPU kernels in this trace (was it recorded on a GPU?)")
+  span, busy = gpu_span(events)
   by_name = collections.Counter()
   for e in kernels:
     by_name[e["name"]] += e["dur"]
-  by_family, by_part, launches = collections.Counter(), collections.Counter(), collections.Counter()
+  by_family, by_part, counts = collections.Counter(), collections.Counter(), collections.Counter()
   for e in kernels:
     f, p = family(e["name"]), part(str(e.get("args", {}).get("name", "")))
     by_family[f] += e["dur"]
     by_part[p, f] += e["dur"]
-    launches[f] += 1
+    counts[f] += 1
   return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "kernel_ms": sum(by_name.values()) / 1e3,
           "families_ms": {k: v / 1e3 for k, v in by_family.most_common()},
-          "launches": dict(launches),
+          "kernels": dict(counts),
           "parts_ms": {p: {f: by_part[p, f] / 1e3 for f, _ in by_family.most_common() if by_part[p, f]}
                        for p, _ in PARTS},
           "top_kernels_ms": {k: v / 1e3 for k, v in by_name.most_common(15)}}
@@ -93,7 +106,7 @@ def main(argv=None) -> None:
   print(f"GPU span {s['span_ms'] / n:.2f} ms/step, busy {s['busy_ms'] / n:.2f} ms/step "
         f"({s['busy_ms'] / s['span_ms']:.1%}), idle {(s['span_ms'] - s['busy_ms']) / n:.2f} ms/step")
   for k, v in s["families_ms"].items():
-    print(f"  {k:<26} {v / n:8.2f} ms/step  {v / s['kernel_ms']:6.1%}  {s['launches'][k] / n:6.1f} kernels/step")
+    print(f"  {k:<26} {v / n:8.2f} ms/step  {v / s['kernel_ms']:6.1%}  {s['kernels'][k] / n:6.1f} kernels/step")
   print("by part of the step (ms/step):")
   for p, fams in s["parts_ms"].items():
     if not fams:

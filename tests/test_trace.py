@@ -30,7 +30,7 @@ def test_summarize_splits_time_by_family_and_part():
   assert s["span_ms"] == pytest.approx(0.062) and s["busy_ms"] == pytest.approx(0.059)  # idle from 47 to 50 us
   assert s["families_ms"] == pytest.approx({"matmul (cuBLAS/GEMM)": 0.030, "attention (cuDNN/flash)": 0.017,
                                             "other (XLA fusions, Pallas)": 0.011, "copies/memset": 0.001})
-  assert s["launches"] == {"matmul (cuBLAS/GEMM)": 2, "attention (cuDNN/flash)": 2, "other (XLA fusions, Pallas)": 3,
+  assert s["kernels"] == {"matmul (cuBLAS/GEMM)": 2, "attention (cuDNN/flash)": 2, "other (XLA fusions, Pallas)": 3,
                            "copies/memset": 1}
   parts = s["parts_ms"]
   assert parts["forward"] == pytest.approx({"matmul (cuBLAS/GEMM)": 0.010, "attention (cuDNN/flash)": 0.005,
@@ -76,3 +76,9 @@ def test_events_as_jax_profiler_writes_them():
 def test_a_trace_without_gpu_kernels_is_refused():
   with pytest.raises(SystemExit, match="no GPU kernels"):
     trace.summarize(_events()[:2])
+
+
+def test_gpu_span_is_the_kernels_extent_and_union_and_none_without_gpu_kernels():
+  span, busy = trace.gpu_span(_events())
+  assert (span, busy) == (62, 59)  # microseconds; the host event is left out
+  assert trace.gpu_span([e for e in _events() if e.get("pid") != 7]) is None  # a CPU run's trace
