@@ -37,6 +37,7 @@ if [[ $PART == all || $PART == speed ]]; then
   # Training speed by preset, each in its own folder (each run its own matmul yardstick), then the 300-step
   # gpt-1b loss comparison; split the lines over device commands where the 10-minute limit needs it
   python -m benchmarks.train --backends cudnn te te-fp8 --steps 30 --run-timeout 60 --out "$OUT/gpt2-small"
+  python -m benchmarks.steady --attn cudnn --out "$OUT/gpt2-small"
   python -m benchmarks.train --preset gpt2-medium --backends cudnn te-fp8 --steps 20 --run-timeout 80 --out "$OUT/gpt2-medium"
   python -m benchmarks.train --preset gpt-1b --seq-len 2048 --batch-size 8 --backends cudnn te te-fp8 --steps 20 \
     --run-timeout 80 --out "$OUT/gpt-1b"

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import models
-from benchmarks import decode, layer, packing
+from benchmarks import decode, layer, packing, steady
 from tests import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,11 +130,40 @@ def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
   xla = rows["xla"]
   assert xla["status"] == "ok" and xla["tokens_per_s"] == pytest.approx(xla["steps_per_s"] * 4 * 32)
   assert xla["vs_matmul"] == pytest.approx(xla["model_tflops"] / matmul)
+  sustained = result["environment"]["sustained_matmul_bf16_tflops"]
+  assert xla["vs_sustained_matmul"] == pytest.approx(xla["model_tflops"] / sustained)
   assert rows["cudnn"]["status"] == "unavailable" and "cuDNN" in rows["cudnn"]["reason"]  # CPU: says why
   assert (tmp_path / "train.csv").exists() and (tmp_path / "train_T32_tokens_per_s.png").exists()
   md = (tmp_path / "train.md").read_text()
   assert "| xla |" in md and "PaLM" in md  # the MFU convention is named beside the table
   assert "sm_mhz" in md and (xla["busy_samples"], xla["sm_mhz"]) == (0, None)  # no nvidia-smi here: no clocks
+
+
+def test_steady_times_traces_and_rates_the_trainer_step_against_both_matmuls(tmp_path, capsys):
+  rows = steady.main(["--attn", "xla", "--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
+                      "--steps", "2", "--trace-steps", "1", "--matmul-n", "64", "--sustain-calls", "2",
+                      "--out", str(tmp_path)])  # in-process
+  assert json.load(open(tmp_path / "steady.json"))["rows"] == json.loads(json.dumps(rows))
+  assert "| timed again |" in (tmp_path / "steady.md").read_text()
+  by = {r["phase"]: r for r in rows}
+  assert list(by) == ["warmup", "timed", "traced", "timed again", "matmul", "matmul, sustained"]
+  assert (by["timed"]["steps"], by["traced"]["steps"], by["matmul, sustained"]["calls"]) == (2, 1, 2)
+  cfg = models.preset("tiny", seq_len=32)
+  flops = models.flops_per_token(cfg, models.count_params(models.GPT(cfg, rngs=nnx.Rngs(0))), 32) * 2 * 32
+  for phase in ("timed", "traced", "timed again"):
+    r = by[phase]
+    assert r["model_tflops"] == pytest.approx(flops / (r["ms_per_step"] * 1e-3) / 1e12)
+    assert r["vs matmul"] == pytest.approx(r["model_tflops"] / by["matmul"]["tflops"])
+    assert r["vs matmul, sustained"] == pytest.approx(r["model_tflops"] / by["matmul, sustained"]["tflops"])
+  assert "model_tflops" not in by["warmup"]  # its first step compiles
+  assert by["traced"]["gpu_span_ms"] is None and by["timed"]["busy_samples"] == 0  # a CPU: no GPU kernels, no clocks
+  assert "| traced |" in capsys.readouterr().out
+
+
+def test_steady_refuses_a_phase_of_no_steps(capsys):
+  with pytest.raises(SystemExit):
+    steady.main(["--steps", "0"])
+  assert "--steps must be at least 1; got 0" in capsys.readouterr().err
 
 
 def test_train_benchmark_runs_packed_beside_unpacked_with_the_same_validation(tmp_path):
