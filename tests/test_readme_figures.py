@@ -35,3 +35,19 @@ def test_every_quoted_figure_is_in_the_result_file_named_beside_it():
           f"{figure} is in none of {named}:\n{paragraph}"
       checked += 1
   assert checked >= 15, checked  # the walk-through quotes its numbers
+
+
+def test_te_fp8_speed_note_quotes_the_result_files_it_names():
+  """te-fp8's explain() note on where FP8 pays (attnlayers.backends.te_fp8.SPEED) is copied from results too."""
+  import jax.numpy as jnp
+
+  from attnlayers import spec
+  from attnlayers.backends import te_fp8
+  named = ["gpt2-small/train.md", "gpt2-small/f626088-train.md", "gpt2-medium/train.md", "gpt-1b/train.md"]
+  assert all(n in open(te_fp8.__file__).read() for n in named)  # the module names its sources
+  text = "".join((RESULTS / n).read_text() for n in named)
+  figures = FIGURE.findall(te_fp8.SPEED)
+  assert len(figures) == 4 and all(re.search(rf"(?<![\w.]){re.escape(f)}(?![\d.])", text) for f in figures), figures
+  q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+  call = spec.describe(q, q, q, spec.Options(scale=1.0, fp8_core="fp8-or-bf16"))
+  assert te_fp8.notes(call)[-1] == te_fp8.SPEED
