@@ -11,3 +11,11 @@ from attnlayers.plan import BackendUnavailableError, Plan
 
 __all__ = ["attention", "explain", "BACKENDS", "AUTO_ORDER", "BackendUnavailableError", "Plan"]
 __version__ = "0.1.0"
+LAYER_MODULES = ("nnx", "linen", "fp8")  # imported on first use (attnlayers.linen...): each pulls in a Flax API
+
+
+def __getattr__(name: str):
+  if name in LAYER_MODULES:
+    import importlib
+    return importlib.import_module(f"attnlayers.{name}")
+  raise AttributeError(f"module 'attnlayers' has no attribute {name!r}")

@@ -70,3 +70,16 @@ def test_cli_measures_every_backend_against_float64(capsys):
   for name, diff in measured.items():
     # > 0: a float32 kernel is never bit-exact against float64, so 0 would mean a self-comparison
     assert 0 < float(diff) <= bound, f"{name}: max|out - float64| = {diff}, allowed (0, {bound:.3g}]"
+
+
+def test_the_layer_modules_are_reached_from_the_package_as_the_readme_writes_them():
+  """`import attnlayers` then attnlayers.linen / .nnx / .fp8 (the README's Use section), in a fresh process."""
+  import subprocess
+  import sys
+  code = ("import attnlayers; attnlayers.linen.MultiHeadDotProductAttention; attnlayers.nnx.MultiHeadAttention; "
+          "attnlayers.fp8.FP8Unavailable\n"
+          "try:\n  attnlayers.lnen\nexcept AttributeError as e:\n  print(e)")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                        cwd=README.parent)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "module 'attnlayers' has no attribute 'lnen'" in proc.stdout
