@@ -39,12 +39,19 @@ def time_fn(fn, *args, warmup: int = 3, calls: int = 20) -> Timing:
   return Timing(float(p50), float(p10), float(p90), calls)
 
 
-def matmul_tflops(n: int = 8192, dtype=jnp.bfloat16, calls: int = 20, chain: int = 10) -> float:
-  """TFLOP/s of an n^3 matmul on random data, as this process measures it now.
+def yardstick_n() -> int:
+  """The yardstick matmul's default size: 8192 on a GPU; 512 elsewhere, where one call of ten chained 8192^3 bf16
+  matmuls takes minutes (a CPU)."""
+  return 8192 if jax.devices()[0].platform == "gpu" else 512
+
+
+def matmul_tflops(n: int | None = None, dtype=jnp.bfloat16, calls: int = 20, chain: int = 10) -> float:
+  """TFLOP/s of an n^3 matmul (default yardstick_n()) on random data, as this process measures it now.
 
   Each timed call runs `chain` dependent matmuls, so launch and sync overhead (~0.1 ms
   against ~1.4 ms per matmul on an H100/H200) does not count against the rate.
   """
+  n = n or yardstick_n()
   ka, kb = jax.random.split(jax.random.key(0))
   a = jax.random.normal(ka, (n, n), dtype)
   b = jax.random.normal(kb, (n, n), dtype) / n**0.5  # keeps the chained products O(1)

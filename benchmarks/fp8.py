@@ -166,7 +166,7 @@ def main(argv=None) -> None:
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
-  env = common.environment() | {"matmul_bf16_tflops": common.matmul_tflops(),
+  env = common.environment() | {"matmul_bf16_tflops": common.matmul_tflops(), "matmul_n": common.yardstick_n(),
                                 "copy_gb_per_s": decode_report.copy_gb_per_s(2**31)}
   print(env, flush=True)
   yardsticks = env["matmul_bf16_tflops"], a.calls, a.warmup, env["copy_gb_per_s"]

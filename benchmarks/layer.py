@@ -305,8 +305,9 @@ def main(argv=None) -> None:
     print(f"merged {len(a.merge)} runs; wrote layer.json, layer.csv, layer.md and {len(plots)} plots to {a.out}")
     return
   calls, warmup = (a.calls or (3 if a.quick else 20)), (1 if a.quick else 3)
-  matmul = common.matmul_tflops(n=1024 if a.quick else 8192, calls=3 if a.quick else 20)
-  env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": 1024 if a.quick else 8192}
+  matmul_n = 1024 if a.quick else common.yardstick_n()
+  matmul = common.matmul_tflops(n=matmul_n, calls=3 if a.quick else 20)
+  env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": matmul_n}
   cases = [c for c in plan(a.quick, a.sections, a.seqs, a.batches, tuple(a.levels))
            if a.backends is None or c.backend in a.backends]
   rows, reference = [], {}

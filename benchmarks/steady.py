@@ -98,10 +98,11 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--warmup", type=int, default=10, help="steps run first, not reported as a result")
   p.add_argument("--steps", type=int, default=100, help="steps in each timed phase")
   p.add_argument("--trace-steps", type=int, default=10, help="steps in the traced phase")
-  p.add_argument("--matmul-n", type=int, default=8192, help="the yardstick matmul's size (n^3)")
+  p.add_argument("--matmul-n", type=int, help="the yardstick matmul's size (n^3); default 8192 on a GPU, 512 elsewhere")
   p.add_argument("--sustain-calls", type=int, default=200, help="calls of the sustained matmul (10 matmuls each)")
   p.add_argument("--out", default="runs/benchmarks", help="folder for steady.json and steady.md")
   a = p.parse_args(argv)
+  a.matmul_n = a.matmul_n or common.yardstick_n()
   for flag in ("warmup", "steps", "trace_steps", "matmul_n", "sustain_calls"):
     if getattr(a, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(a, flag)}")

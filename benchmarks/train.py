@@ -112,9 +112,11 @@ def main(argv=None) -> None:
                       "run reports val_loss at its last step (the same unpacked windows in both modes)")
   p.add_argument("--data", help="train --data (default: the embedded corpus)")
   p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
-  p.add_argument("--matmul-n", type=int, default=8192, help="size of the same-run matmul yardstick (n^3)")
+  p.add_argument("--matmul-n", type=int, help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, "
+                 "512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
+  a.matmul_n = a.matmul_n or common.yardstick_n()
   if len(a.batch_size) not in (1, len(a.seq_len)):
     p.error(f"--batch-size takes one value or one per --seq-len ({len(a.seq_len)}); got {a.batch_size}")
   batches = a.batch_size * len(a.seq_len) if len(a.batch_size) == 1 else a.batch_size

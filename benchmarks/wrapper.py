@@ -86,6 +86,12 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   B, N, H = a.shape
+  for backend in a.backends:  # every kernel this compares must run here: say why not, before any work
+    q = jax.ShapeDtypeStruct((B, min(a.seqs), N, H), jnp.bfloat16)  # (B, T, N, H)
+    plan = attnlayers.explain(backend, q, q, q, is_causal=True)
+    if not plan.ok:
+      p.error(f"--backends {backend}: " + "; ".join(r for rs in plan.unmet.values() for r in rs)
+              + f" (this benchmark times the {backend} kernel itself; run it where that kernel runs)")
   rows = [measure(b, T, c, ps, N, H, B, a.rounds, a.calls) for b in a.backends for T in a.seqs
           for c in (False, True) for ps in ("fwd", "fwd+bwd")]
   env = common.environment()

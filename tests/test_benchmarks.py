@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import models
-from benchmarks import decode, layer, packing, steady
+from benchmarks import common, decode, layer, packing, steady, wrapper
 from tests import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -269,3 +269,17 @@ def test_clock_sampler_reads_nvidia_smi_and_ends_whatever_it_does(tmp_path, monk
   got = gpu.summary()
   assert (got["busy_samples"] > 0) == busy and (got["sm_mhz"] == 1600.0) == busy
   assert (error is None and got["error"] is None) or error in got["error"]
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="on a GPU the kernels run: nothing to refuse")
+def test_wrapper_refuses_in_one_line_where_its_kernel_cannot_run(capsys):
+  with pytest.raises(SystemExit) as e:
+    wrapper.main(["--backends", "cudnn"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--backends cudnn: cuDNN fused attention needs an NVIDIA GPU" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="the GPU yardstick is 8192^3")
+def test_the_matmul_yardstick_is_small_off_a_gpu():
+  assert common.yardstick_n() == 512  # an 8192^3 bf16 matmul chain takes minutes a call on a CPU
