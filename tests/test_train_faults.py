@@ -378,3 +378,13 @@ def test_checkpoint_with_other_array_shapes_is_one_line(tmp_path):
     ckpts.close()
   assert str(e.value) == (f"cannot resume from {tmp_path / 'c'} (step 1): its arrays do not fit this model: "
                           "params.w: checkpoint (3, 4) float32, now (3, 5) float32")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU cudnn and the Pallas kernels run")
+@pytest.mark.parametrize("flags, hint", [(["--attn", "cudnn"], "here: --attn NAME picks the backend"),
+                                         (["--kernels", "pallas"], "here: --kernels xla, interpret or auto")])
+def test_refusals_name_the_flags_that_do_what_the_library_message_says(tmp_path, flags, hint, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main([*TINY, "--steps", "1", "--ckpt-dir", str(tmp_path / "c"), *flags])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.strip().splitlines()[-1].startswith(hint), err

@@ -179,6 +179,15 @@ def _sample_command(ckpt_dir: str, prompt: str | None) -> str:
   return f"python -m sample --ckpt-dir {shlex.quote(ckpt_dir)}" + (f" --prompt {shlex.quote(line)}" if line else "")
 
 
+def _flag_hint(e: Exception, a: argparse.Namespace) -> str:
+  """The flags that do what a library message suggests in Python terms (backend=..., dtype=..., kernel=...)."""
+  if isinstance(e, attnlayers.BackendUnavailableError):
+    return "\nhere: --attn NAME picks the backend, --dtype bfloat16 (or float16) the compute dtype"
+  if a.kernels == "pallas" and "kernel='pallas'" in str(e):
+    return "\nhere: --kernels xla, interpret or auto"
+  return ""
+
+
 def main(argv=None) -> None:
   a = parser().parse_args(argv)
   try:
@@ -223,7 +232,7 @@ def main(argv=None) -> None:
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
     if fresh:
       _discard_if_unused(cfg.ckpt_dir)
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}{_flag_hint(e, a)}", file=sys.stderr)
     sys.exit(2)
   sample, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
   if jax.process_index() != 0:
