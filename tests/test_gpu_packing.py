@@ -18,7 +18,7 @@ from tests import cases
 from tests.test_packing_core import check, packed
 
 pytestmark = pytest.mark.gpu
-needs_te = pytest.mark.skipif(not has_module("transformer_engine"), reason="needs TransformerEngine (pip install 'attnlayers[te]')")
+needs_te = pytest.mark.skipif(not has_module("transformer_engine"), reason="needs an NVIDIA GPU with TransformerEngine (pip install 'attnlayers[te]' there)")
 BF16 = dict(dtype=jnp.bfloat16, head_dim=64, T=128, B=3)
 CAUSAL_WINDOWS = {"left-only": (16, 0), "wider-than-T": (500, 0), "zero": (0, 0), "right-cut-by-causal": (7, 9)}
 TE_WINDOWS = CAUSAL_WINDOWS | {"both-sides": (8, 5), "right-only": (0, 6)}

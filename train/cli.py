@@ -128,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--eval-every", type=zero, default=100, help="steps between validation losses; 0: none")
   p.add_argument("--log-every", type=one, default=10, help="steps between metrics records")
   p.add_argument("--metrics", help="append JSON lines (per logged step, resumes, ...) to this file; default: none")
-  p.add_argument("--sample-tokens", type=zero, default=200, help="tokens to sample at the end; 0: none")
+  p.add_argument("--sample-tokens", type=zero, default=200, help="tokens to sample at the end, after a prompt from the validation text; at "
+                 "most three quarters of --seq-len fit (the prompt takes the rest); 0: none")
   p.add_argument("--peak-tflops", type=_positive_float, help="device bf16 peak for MFU; default: the built-in table")
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="hide the progress bar (shown by default)")
