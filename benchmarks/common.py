@@ -2,8 +2,9 @@
 
 Compile first, warm up, then time each call to completion with jax.block_until_ready;
 report the median with p10/p90. Absolute times drift between runs and machines, so
-results are also given as a ratio to an 8192^3 bf16 matmul timed in the same process
-(benchmarks.train times it in its parent process, after the training runs). FLOP counts
+results are also given as a ratio to an 8192^3 bf16 matmul timed in the same process (on a
+GPU; 512^3 elsewhere: yardstick_n) (benchmarks.train times it in its parent process, after the
+training runs). FLOP counts
 and their convention: benchmarks.flops.
 """
 

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import attnlayers
 import models
-from benchmarks import clocks, common, report, trace
+from benchmarks import clocks, common, report, trace, train
 from train import loop
 
 CLOCK_KEYS = ("sm_mhz", "power_w", "power_capped_share", "busy_samples")
@@ -57,13 +57,15 @@ def phases(step, state, batch, a, trace_dir: str) -> tuple[list[dict], dict]:
     with clocks.Sampler(period_ms=100) as gpu:
       if traced:
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
-      t = time.perf_counter()
-      for i in range(n):
-        state, loss = step(state, batch, i)
-      jax.block_until_ready(loss)
-      wall = time.perf_counter() - t
-      if traced:
-        jax.profiler.stop_trace()
+      try:
+        t = time.perf_counter()
+        for i in range(n):
+          state, loss = step(state, batch, i)
+        jax.block_until_ready(loss)
+        wall = time.perf_counter() - t
+      finally:  # a step that raises leaves no profiler running
+        if traced:
+          jax.profiler.stop_trace()
     row = {"phase": name, "steps": n, "ms_per_step": wall / n * 1e3} | {k: gpu.summary()[k] for k in CLOCK_KEYS}
     if traced:
       span = trace.gpu_span(trace.load(trace_dir))  # None where the trace holds no GPU kernel (a CPU run)
@@ -102,11 +104,13 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--sustain-calls", type=int, default=200, help="calls of the sustained matmul (10 matmuls each)")
   p.add_argument("--out", default="runs/benchmarks", help="folder for steady.json and steady.md")
   a = p.parse_args(argv)
-  a.matmul_n = a.matmul_n or common.yardstick_n()
+  if a.matmul_n is None:
+    a.matmul_n = common.yardstick_n()
   for flag in ("warmup", "steps", "trace_steps", "matmul_n", "sustain_calls"):
     if getattr(a, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(a, flag)}")
-  mcfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len)
+  fp8_core = {"fp8_core": train.FP8_CORE} if a.attn == "te-fp8" else {}  # as benchmarks.train runs te-fp8
+  mcfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, **fp8_core)
   cfg = loop.TrainConfig(model=mcfg, batch_size=a.batch_size, steps=a.warmup + 2 * a.steps + a.trace_steps,
                          progress=False)
   mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])

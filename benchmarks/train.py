@@ -116,7 +116,8 @@ def main(argv=None) -> None:
                  "512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
-  a.matmul_n = a.matmul_n or common.yardstick_n()
+  if a.matmul_n is None:
+    a.matmul_n = common.yardstick_n()
   if len(a.batch_size) not in (1, len(a.seq_len)):
     p.error(f"--batch-size takes one value or one per --seq-len ({len(a.seq_len)}); got {a.batch_size}")
   batches = a.batch_size * len(a.seq_len) if len(a.batch_size) == 1 else a.batch_size

@@ -14,6 +14,7 @@ import argparse
 import collections
 import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +91,10 @@ def main(argv=None) -> None:
     q = jax.ShapeDtypeStruct((B, min(a.seqs), N, H), jnp.bfloat16)  # (B, T, N, H)
     plan = attnlayers.explain(backend, q, q, q, is_causal=True)
     if not plan.ok:
-      p.error(f"--backends {backend}: " + "; ".join(r for rs in plan.unmet.values() for r in rs)
-              + f" (this benchmark times the {backend} kernel itself; run it where that kernel runs)")
+      reasons = "; ".join(r.split(" (use backend=")[0] for rs in plan.unmet.values() for r in rs)
+      print(f"error: --backends {backend}: {reasons}. This benchmark times the {backend} kernel itself, against "
+            "attnlayers.attention: run it where that kernel runs", file=sys.stderr)
+      sys.exit(2)
   rows = [measure(b, T, c, ps, N, H, B, a.rounds, a.calls) for b in a.backends for T in a.seqs
           for c in (False, True) for ps in ("fwd", "fwd+bwd")]
   env = common.environment()

@@ -281,7 +281,8 @@ def test_wrapper_refuses_in_one_line_where_its_kernel_cannot_run(capsys):
     wrapper.main(["--backends", "cudnn"])
   assert e.value.code == 2
   err = capsys.readouterr().err
-  assert "--backends cudnn: cuDNN fused attention needs an NVIDIA GPU" in err and "Traceback" not in err
+  assert err.startswith("error: --backends cudnn: cuDNN fused attention needs an NVIDIA GPU") and "backend=" not in err
+  assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="the GPU yardstick is 8192^3")

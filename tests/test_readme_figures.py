@@ -43,11 +43,12 @@ def test_te_fp8_speed_note_quotes_the_result_files_it_names():
 
   from attnlayers import spec
   from attnlayers.backends import te_fp8
-  named = ["gpt2-small/train.md", "gpt2-small/f626088-train.md", "gpt2-medium/train.md", "gpt-1b/train.md"]
-  assert all(n in open(te_fp8.__file__).read() for n in named)  # the module names its sources
-  text = "".join((RESULTS / n).read_text() for n in named)
-  figures = FIGURE.findall(te_fp8.SPEED)
-  assert len(figures) == 4 and all(re.search(rf"(?<![\w.]){re.escape(f)}(?![\d.])", text) for f in figures), figures
+  source = {"0.9893": "gpt2-small/train.md", "1.013": "gpt2-small/f626088-train.md", "1.128": "gpt2-medium/train.md",
+            "1.277": "gpt-1b/train.md"}  # each figure of the note, and the file it is copied from
+  assert all(n in open(te_fp8.__file__).read() for n in source.values())  # the module names its sources
+  assert FIGURE.findall(te_fp8.SPEED) == list(source)
+  for figure, name in source.items():
+    assert re.search(rf"(?<![\w.]){re.escape(figure)}(?![\d.])", (RESULTS / name).read_text()), (figure, name)
   q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
   call = spec.describe(q, q, q, spec.Options(scale=1.0, fp8_core="fp8-or-bf16"))
   assert te_fp8.notes(call)[-1] == te_fp8.SPEED
