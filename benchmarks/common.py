@@ -52,7 +52,7 @@ def matmul_tflops(n: int | None = None, dtype=jnp.bfloat16, calls: int = 20, cha
   Each timed call runs `chain` dependent matmuls, so launch and sync overhead (~0.1 ms
   against ~1.4 ms per matmul on an H100/H200) does not count against the rate.
   """
-  n = n or yardstick_n()
+  n = yardstick_n() if n is None else n
   ka, kb = jax.random.split(jax.random.key(0))
   a = jax.random.normal(ka, (n, n), dtype)
   b = jax.random.normal(kb, (n, n), dtype) / n**0.5  # keeps the chained products O(1)

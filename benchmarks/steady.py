@@ -113,8 +113,7 @@ def main(argv=None) -> list[dict]:
   mcfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, **fp8_core)
   cfg = loop.TrainConfig(model=mcfg, batch_size=a.batch_size, steps=a.warmup + 2 * a.steps + a.trace_steps,
                          progress=False)
-  mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))  # as train.loop.run
-  model, state = loop.build(cfg, NamedSharding(mesh, P()))
+  model, state = loop.build(cfg, NamedSharding(loop.data_mesh(jax.devices()[:1]), P()))
   x = jax.random.randint(jax.random.key(1), (a.batch_size, a.seq_len), 0, mcfg.vocab_size)  # (B, T)
   batch = {"inputs": x, "targets": jnp.roll(x, -1, axis=1)}
   with tempfile.TemporaryDirectory(prefix="attnlayers-steady-") as trace_dir:

@@ -63,7 +63,11 @@ def gpu_kernels(events: list[dict]) -> list[dict]:
 def gpu_span(events: list[dict]) -> tuple[float, float] | None:
   """(span, busy) in microseconds: first kernel start to last kernel end, and the time some kernel ran (the
   union of their intervals over all streams); None where the trace holds no GPU kernel."""
-  spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu_kernels(events))
+  return _span(gpu_kernels(events))
+
+
+def _span(kernels: list[dict]) -> tuple[float, float] | None:
+  spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
   if not spans:
     return None
   busy, end = 0.0, spans[0][0]
@@ -78,7 +82,7 @@ def summarize(events: list[dict]) -> dict:
   kernels = gpu_kernels(events)
   if not kernels:
     raise SystemExit("no GPU kernels in this trace (was it recorded on a GPU?)")
-  span, busy = gpu_span(events)
+  span, busy = _span(kernels)
   by_name = collections.Counter()
   for e in kernels:
     by_name[e["name"]] += e["dur"]

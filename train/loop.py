@@ -361,6 +361,12 @@ def attention_plans(cfg: models.GPTConfig, batch_size: int, pack: bool) -> list[
                              window=w, **bound) for w in windows]
 
 
+def data_mesh(devices) -> jax.sharding.Mesh:
+  """The training mesh: one "data" axis over `devices`, Auto (XLA's SPMD partitioner places the work; with
+  jax 0.11's default Explicit axes TransformerEngine's sharding rules refuse te-fp8's step)."""
+  return jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+
+
 def _check_attention(cfg: TrainConfig) -> None:
   """BackendUnavailableError, with every reason, where the backend cannot run the model's attention (checked
   before any work)."""
@@ -425,7 +431,7 @@ def run(cfg: TrainConfig) -> dict:
       _check_attention(cfg)
     if cfg.batch_size % jax.device_count():
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))  # XLA SPMD partitions
+    mesh = data_mesh(jax.devices())
     meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": dataset.name, "pack": cfg.pack,
             "run": cfg.trajectory()}
     start = _resume_point(cfg, ckpts, meta, out)
