@@ -11,8 +11,10 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import attnlayers
+from attnlayers.device import has_module
 from tests import reference
 
 HEADS = {"MHA": (4, 4), "GQA": (4, 2), "MQA": (4, 1)}  # name -> (N, K)
@@ -95,3 +97,7 @@ def layer_reference(layer, x, *, mask=None, is_causal=False):
   o, _ = reference.forward(q, k, v, mask=m, is_causal=is_causal)  # (B, T, N, H)
   out = np.einsum("btnh,nhd->btd", o, f64(layer.out.kernel[...]))  # (B, T, D)
   return out if layer.out.bias is None else out + f64(layer.out.bias[...])
+
+# GPU tests that also need TransformerEngine (with pytest.mark.gpu, which skips them off a GPU)
+needs_te = pytest.mark.skipif(not has_module("transformer_engine"),
+                              reason="needs an NVIDIA GPU with TransformerEngine (pip install 'attnlayers[te]' there)")

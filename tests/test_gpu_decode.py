@@ -15,7 +15,6 @@ import pytest
 from flax import nnx
 
 import attnlayers
-from attnlayers.device import has_module
 from attnlayers.fp8 import FP8Recipe
 from attnlayers.nnx import MultiHeadAttention
 from tests import cases, reference
@@ -24,8 +23,7 @@ from tests.test_gpu import CUDNN_FMHA
 from tests.test_gpu_te import custom_calls, targets
 
 pytestmark = pytest.mark.gpu
-needs_te = pytest.mark.skipif(not has_module("transformer_engine"),
-                              reason="needs an NVIDIA GPU with TransformerEngine (pip install 'attnlayers[te]' there)")
+needs_te = cases.needs_te
 # backend name -> extra attention() options; te-fp8 runs decode-shaped calls on its bf16 core only when told
 BACKENDS = {"cudnn": {}, "te": {}, "te-fp8": dict(fp8_core="fp8-or-bf16")}
 PARAMS = [pytest.param(b, marks=() if b == "cudnn" else needs_te, id=b) for b in BACKENDS]

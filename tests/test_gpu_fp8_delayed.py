@@ -10,13 +10,12 @@ from flax import nnx
 
 import attnlayers
 from attnlayers.backends import _fp8_delayed
-from attnlayers.device import has_module
 from attnlayers.fp8 import FP8Meta
 from attnlayers.nnx import MultiHeadAttention
 from tests import cases, reference
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not has_module("transformer_engine"), reason="needs an NVIDIA GPU with TransformerEngine (pip install 'attnlayers[te]' there)")]
+              cases.needs_te]
 SHAPE = dict(B=2, T=256, S=256, H=128)  # what cuDNN's FP8 attention takes
 UNMASKED = [c for c in cases.matrix((jnp.bfloat16,)) if not c["masked"]]
 

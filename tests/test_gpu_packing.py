@@ -12,13 +12,12 @@ import pytest
 from flax import nnx
 
 import attnlayers
-from attnlayers.device import has_module
 from attnlayers.nnx import MultiHeadAttention
 from tests import cases
 from tests.test_packing_core import check, packed
 
 pytestmark = pytest.mark.gpu
-needs_te = pytest.mark.skipif(not has_module("transformer_engine"), reason="needs an NVIDIA GPU with TransformerEngine (pip install 'attnlayers[te]' there)")
+needs_te = cases.needs_te
 BF16 = dict(dtype=jnp.bfloat16, head_dim=64, T=128, B=3)
 CAUSAL_WINDOWS = {"left-only": (16, 0), "wider-than-T": (500, 0), "zero": (0, 0), "right-cut-by-causal": (7, 9)}
 TE_WINDOWS = CAUSAL_WINDOWS | {"both-sides": (8, 5), "right-only": (0, 6)}
