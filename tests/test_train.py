@@ -1,5 +1,6 @@
 """The training loop on CPU: learning, data parallelism, kill -9 and resume, divergence, bad input."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -104,6 +105,37 @@ def test_kill_9_then_rerun_resumes_bitwise(tmp_path):
   a, b = losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
   after = range(resumed_at + 1, 61)
   assert [b[s] for s in after] == [a[s] for s in after]  # bitwise
+
+
+def test_log_records_wait_for_the_next_step_but_saves_do_not(tmp_path, monkeypatch):
+  """A log-only record is written after the next step is dispatched (the device keeps a step queued while the
+  host reports); a save's record, and the last step's, before: donation frees the state they read."""
+  events = []
+  real_build, real_write = loop.build, loop.metrics.MetricsFile.write
+
+  def build(cfg, replicated):
+    model, state = real_build(cfg, replicated)
+    def train_step(state, batch, step):
+      events.append(("step", step))
+      return model.train_step(state, batch, step)
+    return dataclasses.replace(model, train_step=train_step), state
+
+  def write(self, record):
+    if "loss" in record:
+      events.append(("record", record["step"]))
+    real_write(self, record)
+
+  monkeypatch.setattr(loop, "build", build)
+  monkeypatch.setattr(loop.metrics.MetricsFile, "write", write)
+  cfg = loop.TrainConfig(model=models.preset("tiny", seq_len=32), steps=8, batch_size=8, eval_every=0, log_every=2,
+                         ckpt_every=4, sample_tokens=0, progress=False, ckpt_dir=str(tmp_path / "c"),
+                         metrics=str(tmp_path / "m.jsonl"))
+  summary = loop.run(cfg)
+  assert events == [("step", 1), ("step", 2), ("step", 3), ("record", 2), ("step", 4), ("record", 4), ("step", 5),
+                    ("step", 6), ("step", 7), ("record", 6), ("step", 8), ("record", 8)], events
+  records = losses(tmp_path / "m.jsonl")
+  assert sorted(records) == [2, 4, 6, 8] and summary["final_loss"] == records[8]
+  assert all(np.isfinite(list(records.values())))
 
 
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):

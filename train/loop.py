@@ -256,8 +256,9 @@ def _validate(s: Session, state: dict) -> float:
   return float(np.mean([float(l) for l in losses]))
 
 
-def _report(s: Session, step: int, state: dict, loss_arr, bar, *, evaluate: bool, save: bool) -> float:
-  """Writes step `step`'s metrics record (with the validation loss if `evaluate`), saves it if `save`."""
+def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool, save: bool) -> float:
+  """Writes step `step`'s metrics record (with the validation loss if `evaluate`), saves it if `save`;
+  `state` is that step's unless neither (a log-only report may come one step late: _train)."""
   loss = _finite(float(loss_arr), step, s.ckpts)  # waits for the step
   record = {"step": step, "loss": loss, "lr": float(s.model.lr_at(step - 1))}
   record |= s.throughput.interval(step)
@@ -304,8 +305,14 @@ def _due(cfg: TrainConfig, step: int, every: int) -> bool:
 
 
 def _train(s: Session, state: dict) -> tuple[dict, float | None]:
-  """Steps start+1 .. steps; returns (state, last loss). Raises signals.Stopped after saving on a signal."""
-  cfg, loss = s.cfg, None
+  """Steps start+1 .. steps; returns (state, last loss). Raises signals.Stopped after saving on a signal.
+
+  A step whose report only logs (no evaluation, no save, not the last step) is reported once the next
+  step has been dispatched: reading its loss then waits for it while the GPU already has the next step
+  queued, so the device never idles on the host's report. Evaluation and saves read the step's own state,
+  which the next step's donation frees, so they are reported at once. Reported one step late, a
+  non-finite loss stops the run one step later, before anything after it is saved."""
+  cfg, loss, pending = s.cfg, None, None  # pending: (step, loss) of a log-only report not yet written
   if s.stop.received:  # arrived while setting up: nothing new to save
     raise _stopped(s, s.start, saved=False)
   bar = tqdm(total=cfg.steps, initial=s.start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
@@ -315,6 +322,8 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
     for step in range(s.start + 1, cfg.steps + 1):
       profiler.before(step)
       state, loss_arr = s.model.train_step(state, batch, step)
+      if pending:  # the previous step's log record, written while this step runs
+        loss, pending = _report(s, *pending, state, bar, evaluate=False, save=False), None
       if step < cfg.steps:
         batch = s.batches("train", step + 1)  # the next batch is made while this step runs
       profiler.after(step, loss_arr)
@@ -325,12 +334,19 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
       stopping = s.stop.received is not None  # read once: a signal during the report waits for the next step
       log, evaluate = _due(cfg, step, cfg.log_every), _due(cfg, step, cfg.eval_every)
       save = s.ckpts is not None and (_due(cfg, step, cfg.ckpt_every) or stopping)
-      if log or evaluate or save or stopping:
-        loss = _report(s, step, state, loss_arr, bar, evaluate=evaluate, save=save)
+      if evaluate or save or stopping or (log and step == cfg.steps):
+        loss = _report(s, step, loss_arr, state, bar, evaluate=evaluate, save=save)
+      elif log:
+        pending = (step, loss_arr)
       if stopping:
         raise _stopped(s, step, saved=save)
     if s.stop.received is not None:  # it came during the last step's report, which saved that step
       raise _stopped(s, cfg.steps, saved=s.ckpts is not None)
+  except Exception:
+    if pending:  # the next step failed: the finished step's record is still written
+      with contextlib.suppress(Exception):
+        _report(s, *pending, state, bar, evaluate=False, save=False)
+    raise
   finally:
     profiler.close()
     bar.close()
