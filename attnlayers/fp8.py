@@ -37,7 +37,9 @@ class FP8Unavailable(BackendUnavailableError):
   """te-fp8's FP8 projections cannot run on this device; `reasons` names every one (te_fp8.requirements)."""
 
   def __init__(self, reasons: list[str]):
-    super().__init__(te_fp8.NAME, tuple(reasons), "te-fp8 projections cannot run here:\n  - " + "\n  - ".join(reasons))
+    super().__init__(te_fp8.NAME, tuple(reasons), "te-fp8 projections cannot run here:\n  - " + "\n  - ".join(reasons)
+                     + "\nthe bf16 backends ('te', 'cudnn', 'xla') run the same layer and parameters without FP8; "
+                     "attnlayers.explain(backend, q, k, v) says which of them can run its attention here")
 
 
 class FP8Meta(nnx.Variable):

@@ -96,7 +96,7 @@ def main(argv=None) -> list[dict]:
   p = argparse.ArgumentParser(prog="python -m benchmarks.steady", description=__doc__.splitlines()[0])
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="cudnn")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
-  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--seq-len", type=int, help="default: the preset's context (1024 for gpt2-small)")
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--warmup", type=int, default=10, help="steps run first, not reported as a result")
   p.add_argument("--steps", type=int, default=100, help="steps in each timed phase")
@@ -105,6 +105,7 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--sustain-calls", type=int, default=200, help="calls of the sustained matmul (10 matmuls each)")
   p.add_argument("--out", default="runs/benchmarks", help="folder for steady.json and steady.md")
   a = p.parse_args(argv)
+  a.seq_len = a.seq_len or models.PRESETS[a.preset].seq_len
   if a.matmul_n is None:
     a.matmul_n = common.yardstick_n()
   for flag in ("warmup", "steps", "trace_steps", "matmul_n", "sustain_calls"):

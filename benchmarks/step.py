@@ -40,10 +40,11 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.splitlines()[0])
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
-  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--seq-len", type=int, help="default: the preset's context (1024 for gpt2-small)")
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--kernels", choices=models.KERNELS, default="auto", help="the step's own GPU kernels")
   a = p.parse_args(argv)
+  a.seq_len = a.seq_len or models.PRESETS[a.preset].seq_len
   cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, kernels=a.kernels)
   graphdef, params, fp8 = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, FP8Meta)  # fp8: te-fp8's state
   xla_model = nnx.eval_shape(lambda: models.GPT(dataclasses.replace(cfg, kernels="xla"), rngs=nnx.Rngs(0)))

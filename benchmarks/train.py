@@ -103,7 +103,7 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.splitlines()[0])
   p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"])
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
-  p.add_argument("--seq-len", type=int, nargs="+", default=[1024])
+  p.add_argument("--seq-len", type=int, nargs="+", help="default: the preset's context (1024 for gpt2-small)")
   p.add_argument("--batch-size", type=int, nargs="+", default=[32],
                  help="global batch; one value for every --seq-len, or one per --seq-len")
   p.add_argument("--steps", type=int, default=40)
@@ -116,6 +116,7 @@ def main(argv=None) -> None:
                  "512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
+  a.seq_len = a.seq_len or [models.PRESETS[a.preset].seq_len]
   if a.matmul_n is None:
     a.matmul_n = common.yardstick_n()
   if len(a.batch_size) not in (1, len(a.seq_len)):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import models
-from train import data, loop
+from train import cli, data, loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -136,6 +136,19 @@ def test_log_records_wait_for_the_next_step_but_saves_do_not(tmp_path, monkeypat
   records = losses(tmp_path / "m.jsonl")
   assert sorted(records) == [2, 4, 6, 8] and summary["final_loss"] == records[8]
   assert all(np.isfinite(list(records.values())))
+
+
+def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_prompt(capsys):
+  """--warmup past --steps and --sample-tokens past the context run as they can, saying so before any work;
+  the end-of-run sample is printed after the prompt it continues."""
+  cli.main(["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "3", "--warmup", "5",
+            "--sample-tokens", "200", "--eval-every", "0", "--no-progress", "--no-ckpt"])
+  out = capsys.readouterr().out
+  assert "warmup 5 is more than steps 3: the learning rate rises for all 3 steps" in out, out
+  assert "sample_tokens 200: the end-of-run sample has 24 new tokens, what fits in the 32-token context after " \
+         "its 8-token prompt" in out, out
+  assert out.index("warmup 5") < out.index('"event": "summary"')
+  assert "prompt (the start of the first validation text):\n" in out and out.index("prompt (") < out.index("sample:\n")
 
 
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):

@@ -241,7 +241,7 @@ def main(argv=None) -> None:
     return
   print(json.dumps(summary))
   if sample is not None:
-    print("sample:\n" + sample)
+    print(f"prompt (the start of the first validation text):\n{prompt}\nsample:\n{sample}")
   if cfg.ckpt_dir:
     if fresh:
       write_latest(cfg.ckpt_dir)

@@ -413,13 +413,29 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
   return summary
 
 
+def sample_lengths(seq_len: int, sample_tokens: int) -> tuple[int, int]:
+  """(prompt tokens, new tokens) of the end-of-run sample: the prompt takes a quarter to a half of the context,
+  the new tokens at most the rest."""
+  prompt_len = max(1, seq_len // 4, min(seq_len // 2, seq_len - sample_tokens))
+  return prompt_len, min(sample_tokens, seq_len - prompt_len)
+
+
+def _notices(cfg: TrainConfig) -> None:
+  """Says where the run will do less than a setting asks (printed before any work)."""
+  if cfg.warmup > cfg.steps:
+    print(f"warmup {cfg.warmup} is more than steps {cfg.steps}: the learning rate rises for all {cfg.steps} steps, "
+          "never reaching the peak lr or decaying (--warmup sets the warm-up)", flush=True)
+  prompt_len, new = sample_lengths(cfg.model.seq_len, cfg.sample_tokens)
+  if new < cfg.sample_tokens:
+    print(f"sample_tokens {cfg.sample_tokens}: the end-of-run sample has {new} new tokens, what fits in the "
+          f"{cfg.model.seq_len}-token context after its {prompt_len}-token prompt", flush=True)
+
+
 def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
   """The end-of-run sample, by python -m sample's decoder (models.generate, backend auto): the start of
   the first validation text continued. Prompt and new tokens share the context: at most
   seq_len - seq_len // 4 new ones. Each process samples from its own replica of the parameters."""
-  seq_len = s.cfg.model.seq_len
-  prompt_len = max(1, seq_len // 4, min(seq_len // 2, seq_len - s.cfg.sample_tokens))
-  new = min(s.cfg.sample_tokens, seq_len - prompt_len)
+  prompt_len, new = sample_lengths(s.cfg.model.seq_len, s.cfg.sample_tokens)
   if new < 1:
     return {}
   prompt = np.asarray(dataset.val[0][:prompt_len])
@@ -440,6 +456,7 @@ def run(cfg: TrainConfig) -> dict:
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
     _check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. its segment ids)
     kernels.resolve(cfg.model.kernels)  # and kernels="pallas" off a CUDA GPU
+    _notices(cfg)
     ckpts, out = _open_outputs(cfg, stack)
     dataset = _load_data(cfg)
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's

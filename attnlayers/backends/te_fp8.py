@@ -31,9 +31,9 @@ SPEED = ("speed: FP8 pays with wide GEMMs. Whole-model training on one H200, tok
          "(1024), 1.277x at gpt-1b (2048, FP8 core); narrower models may train slower than with cudnn or te")
 
 
-def requirements(dev: device_lib.DeviceInfo) -> list[str]:
-  """What te-fp8 needs of the machine at all (FP8 GEMMs through TransformerEngine)."""
-  return _reasons.nvidia_gpu(dev, MIN_CC, "te-fp8 (FP8 GEMMs)") + _reasons.transformer_engine("te-fp8")
+def requirements(dev: device_lib.DeviceInfo, what: str = "te-fp8 (FP8 GEMMs)") -> list[str]:
+  """What te-fp8 needs of the machine at all (FP8 tensor cores, TransformerEngine); `what` names the part asking."""
+  return _reasons.nvidia_gpu(dev, MIN_CC, what) + _reasons.transformer_engine("te-fp8")
 
 
 def fp8_core_unmet(call: Call) -> list[str]:
@@ -56,7 +56,7 @@ def _runs_fp8(call: Call) -> bool:
 
 
 def unmet(call: Call) -> list[str]:
-  reasons = requirements(call.device) + _reasons.half_precision(call, "te-fp8")
+  reasons = requirements(call.device, NAME) + _reasons.half_precision(call, "te-fp8")
   reasons += _reasons.fused_only(call, NAME, exact_half_products=True)  # no weights or dropout, either core
   if reasons:
     return reasons
