@@ -38,7 +38,7 @@ class FP8Unavailable(BackendUnavailableError):
 
   def __init__(self, reasons: list[str]):
     super().__init__(te_fp8.NAME, tuple(reasons), "te-fp8 projections cannot run here:\n  - " + "\n  - ".join(reasons)
-                     + "\nthe bf16 backends ('te', 'cudnn', 'xla') run the same layer and parameters without FP8; "
+                     + "\nthe other backends run the same layer and parameters without FP8; "
                      "attnlayers.explain(backend, q, k, v) says which of them can run its attention here")
 
 

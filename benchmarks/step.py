@@ -44,7 +44,7 @@ def main(argv=None) -> None:
   p.add_argument("--batch-size", type=int, default=32)
   p.add_argument("--kernels", choices=models.KERNELS, default="auto", help="the step's own GPU kernels")
   a = p.parse_args(argv)
-  a.seq_len = a.seq_len or models.PRESETS[a.preset].seq_len
+  a.seq_len = models.PRESETS[a.preset].seq_len if a.seq_len is None else a.seq_len
   cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, kernels=a.kernels)
   graphdef, params, fp8 = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, FP8Meta)  # fp8: te-fp8's state
   xla_model = nnx.eval_shape(lambda: models.GPT(dataclasses.replace(cfg, kernels="xla"), rngs=nnx.Rngs(0)))

@@ -138,13 +138,35 @@ def test_log_records_wait_for_the_next_step_but_saves_do_not(tmp_path, monkeypat
   assert all(np.isfinite(list(records.values())))
 
 
+def test_a_step_that_fails_keeps_the_record_of_the_finished_step_before_it(tmp_path, monkeypatch):
+  """The pending log record of step 2 is still written when step 3 raises, and step 3's error is what surfaces."""
+  real_build = loop.build
+
+  def build(cfg, replicated):
+    model, state = real_build(cfg, replicated)
+    def train_step(state, batch, step):
+      if step == 3:
+        jax.block_until_ready(state)  # step 2 has finished: its record can be written without waiting
+        raise RuntimeError("step 3 failed")
+      return model.train_step(state, batch, step)
+    return dataclasses.replace(model, train_step=train_step), state
+
+  monkeypatch.setattr(loop, "build", build)
+  cfg = loop.TrainConfig(model=models.preset("tiny", seq_len=32), steps=5, batch_size=8, warmup=1, eval_every=0,
+                         log_every=1, sample_tokens=0, progress=False, metrics=str(tmp_path / "m.jsonl"))
+  with pytest.raises(RuntimeError, match="step 3 failed"):
+    loop.run(cfg)
+  assert sorted(losses(tmp_path / "m.jsonl")) == [1, 2]
+
+
 def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_prompt(capsys):
   """--warmup past --steps and --sample-tokens past the context run as they can, saying so before any work;
   the end-of-run sample is printed after the prompt it continues."""
   cli.main(["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "3", "--warmup", "5",
             "--sample-tokens", "200", "--eval-every", "0", "--no-progress", "--no-ckpt"])
   out = capsys.readouterr().out
-  assert "warmup 5 is more than steps 3: the learning rate rises for all 3 steps" in out, out
+  assert "warmup 5 is more than steps 3: the warm-up is shortened to 3 steps, so the learning rate rises for the " \
+         "whole run, to 2/3 of the peak lr, and never decays" in out, out
   assert "sample_tokens 200: the end-of-run sample has 24 new tokens, what fits in the 32-token context after " \
          "its 8-token prompt" in out, out
   assert out.index("warmup 5") < out.index('"event": "summary"')

@@ -283,8 +283,12 @@ class _Profiler:
     self.first, self.last = start + PROFILE_WINDOW[0], start + PROFILE_WINDOW[1]  # absolute step numbers
     self.on = False  # tracing now
 
-  def before(self, step: int) -> None:
+  def before(self, step: int, previous) -> None:
+    """Starts the trace before step `step` once `previous` (the step before's loss, or None) is done, so that
+    no earlier step's kernels fall in the window."""
     if self.directory and step == self.first:
+      if previous is not None:
+        jax.block_until_ready(previous)
       jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
       self.on = True
 
@@ -313,6 +317,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
   which the next step's donation frees, so they are reported at once. Reported one step late, a
   non-finite loss stops the run one step later, before anything after it is saved."""
   cfg, loss, pending = s.cfg, None, None  # pending: (step, loss) of a log-only report not yet written
+  loss_arr = None  # the last dispatched step's loss
   if s.stop.received:  # arrived while setting up: nothing new to save
     raise _stopped(s, s.start, saved=False)
   bar = tqdm(total=cfg.steps, initial=s.start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
@@ -320,10 +325,11 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
   try:
     batch = s.batches("train", s.start + 1)
     for step in range(s.start + 1, cfg.steps + 1):
-      profiler.before(step)
+      profiler.before(step, loss_arr)
       state, loss_arr = s.model.train_step(state, batch, step)
       if pending:  # the previous step's log record, written while this step runs
-        loss, pending = _report(s, *pending, state, bar, evaluate=False, save=False), None
+        (done, done_loss), pending = pending, None
+        loss = _report(s, done, done_loss, state, bar, evaluate=False, save=False)
       if step < cfg.steps:
         batch = s.batches("train", step + 1)  # the next batch is made while this step runs
       profiler.after(step, loss_arr)
@@ -343,7 +349,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
     if s.stop.received is not None:  # it came during the last step's report, which saved that step
       raise _stopped(s, cfg.steps, saved=s.ckpts is not None)
   except Exception:
-    if pending:  # the next step failed: the finished step's record is still written
+    if pending and pending[1].is_ready():  # the next step failed to start: the finished step's record is kept
       with contextlib.suppress(Exception):
         _report(s, *pending, state, bar, evaluate=False, save=False)
     raise
@@ -423,8 +429,9 @@ def sample_lengths(seq_len: int, sample_tokens: int) -> tuple[int, int]:
 def _notices(cfg: TrainConfig) -> None:
   """Says where the run will do less than a setting asks (printed before any work)."""
   if cfg.warmup > cfg.steps:
-    print(f"warmup {cfg.warmup} is more than steps {cfg.steps}: the learning rate rises for all {cfg.steps} steps, "
-          "never reaching the peak lr or decaying (--warmup sets the warm-up)", flush=True)
+    print(f"warmup {cfg.warmup} is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} steps, so the "
+          f"learning rate rises for the whole run, to {cfg.steps - 1}/{cfg.steps} of the peak lr, and never decays "
+          "(--warmup sets the warm-up)", flush=True)
   prompt_len, new = sample_lengths(cfg.model.seq_len, cfg.sample_tokens)
   if new < cfg.sample_tokens:
     print(f"sample_tokens {cfg.sample_tokens}: the end-of-run sample has {new} new tokens, what fits in the "
