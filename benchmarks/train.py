@@ -101,12 +101,14 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.splitlines()[0])
-  p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"])
-  p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
+  p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"],
+                 help="one training run each; default: naive xla cudnn te te-fp8")
+  p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small", help="default: gpt2-small")
   p.add_argument("--seq-len", type=int, nargs="+", help="default: the preset's context (1024 for gpt2-small)")
   p.add_argument("--batch-size", type=int, nargs="+", default=[32],
-                 help="global batch; one value for every --seq-len, or one per --seq-len")
-  p.add_argument("--steps", type=int, default=40)
+                 help="global batch; one value for every --seq-len, or one per --seq-len; default: 32")
+  p.add_argument("--steps", type=int, default=40, help="steps per run (default 40); the rate is the median of the "
+                 "reported intervals after the first")
   p.add_argument("--packing", nargs="+", choices=PACKINGS, default=["unpacked"],
                  help="unpacked windows, packed documents (train --pack), or both side by side; with packed, every "
                       "run reports val_loss at its last step (the same unpacked windows in both modes)")
@@ -147,6 +149,7 @@ def main(argv=None) -> None:
   print(json.dumps(env), flush=True)
   write(a.out, env, rows)
   print(table(rows))
+  print(f"wrote train.md, train.json, train.csv and the tokens/s plots to {a.out}", flush=True)
 
 
 def write(out: str, env: dict, rows: list[dict]) -> None:

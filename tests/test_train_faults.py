@@ -365,7 +365,8 @@ def test_steps_extension_with_allow_change_is_recorded(ckpt, tmp_path, capsys):
   assert "--allow-change steps: 20 in the checkpoint, 22 from now on" in capsys.readouterr().out
   rows = [json.loads(line) for line in open(metrics)]
   assert rows[0] == {"event": "resume", "step": 20, "ckpt_dir": str(ckpt), "changed": {"steps": {"from": 20, "to": 22}}}
-  assert [r["step"] for r in rows[1:]] == [21, 22]
+  assert rows[1]["event"] == "start" and rows[1]["from_step"] == 20 and rows[-1]["event"] == "summary"
+  assert [r["step"] for r in rows[2:-1]] == [21, 22]
 
 
 def test_checkpoint_with_other_array_shapes_is_one_line(tmp_path):

@@ -33,6 +33,7 @@ from train import checkpoint, lock, loop, signals
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
+SAMPLE_TOKENS = 200  # new tokens the end-of-run sample has by default, where they fit
 
 
 class Parser(argparse.ArgumentParser):
@@ -128,8 +129,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--eval-every", type=zero, default=100, help="steps between validation losses; 0: none")
   p.add_argument("--log-every", type=one, default=10, help="steps between metrics records")
   p.add_argument("--metrics", help="append JSON lines (per logged step, resumes, ...) to this file; default: none")
-  p.add_argument("--sample-tokens", type=zero, default=200, help="tokens to sample at the end, after a prompt from the validation text; at "
-                 "most three quarters of --seq-len fit (the prompt takes the rest); 0: none")
+  p.add_argument("--sample-tokens", type=zero, help="tokens to sample at the end, after a prompt from the validation "
+                 f"text; at most three quarters of --seq-len fit (the prompt takes the rest); 0: none; default: "
+                 f"{SAMPLE_TOKENS}, or as many as fit")
   p.add_argument("--peak-tflops", type=_positive_float, help="device bf16 peak for MFU; default: the built-in table")
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="hide the progress bar (shown by default)")
@@ -140,6 +142,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--num-processes", type=one, help="multi-host: how many processes")
   p.add_argument("--process-id", type=zero, help="multi-host: this process's index")
   return p
+
+
+def _sample_tokens(asked: int | None, seq_len: int) -> int:
+  """--sample-tokens as given, or the default: SAMPLE_TOKENS, fewer where the context holds fewer after the prompt."""
+  return min(SAMPLE_TOKENS, loop.sample_lengths(seq_len, SAMPLE_TOKENS)[1]) if asked is None else asked
 
 
 def fresh_run_dir() -> str:
@@ -200,7 +207,8 @@ def main(argv=None) -> None:
     cfg = loop.TrainConfig(
         model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
         ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,
-        metrics=a.metrics, sample_tokens=a.sample_tokens, peak_tflops=a.peak_tflops, progress=a.progress,
+        metrics=a.metrics, sample_tokens=_sample_tokens(a.sample_tokens, model.seq_len), peak_tflops=a.peak_tflops,
+        progress=a.progress,
         profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)

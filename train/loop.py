@@ -256,12 +256,17 @@ def _validate(s: Session, state: dict) -> float:
   return float(np.mean([float(l) for l in losses]))
 
 
-def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool, save: bool) -> float:
+def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool, save: bool,
+            next_loss=None) -> float:
   """Writes step `step`'s metrics record (with the validation loss if `evaluate`), saves it if `save`;
-  `state` is that step's unless neither (a log-only report may come one step late: _train)."""
+  `state` is that step's unless neither (a log-only report may come one step late: _train). `next_loss`:
+  the loss of the step dispatched after this one, where there is one."""
   loss = _finite(float(loss_arr), step, s.ckpts)  # waits for the step
+  # The steps done by now: this one, and the next one too where it has finished already (a device that ran it
+  # as it was dispatched), so that the rate counts every step that ran in its interval.
+  done = step + 1 if next_loss is not None and next_loss.is_ready() else step
   record = {"step": step, "loss": loss, "lr": float(s.model.lr_at(step - 1))}
-  record |= s.throughput.interval(step)
+  record |= s.throughput.interval(done)
   if evaluate:
     record["val_loss"] = s.val_loss[step] = _validate(s, state)
     if jax.process_index() == 0:
@@ -269,9 +274,9 @@ def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool
   if save:
     s.ckpts.save(step, state, s.meta)
   s.out.write(record)
-  postfix = {"loss": f"{loss:.3f}", "tok_s": f"{record.get('tokens_per_s') or 0:,.0f}"}
+  postfix = {"loss": f"{loss:.3f}"} | ({"tok_s": f"{record['tokens_per_s']:,.0f}"} if record.get("tokens_per_s") else {})
   bar.set_postfix(postfix | ({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
-  s.throughput.mark(step)
+  s.throughput.mark(done)
   return loss
 
 
@@ -329,7 +334,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
       state, loss_arr = s.model.train_step(state, batch, step)
       if pending:  # the previous step's log record, written while this step runs
         (done, done_loss), pending = pending, None
-        loss = _report(s, done, done_loss, state, bar, evaluate=False, save=False)
+        loss = _report(s, done, done_loss, state, bar, evaluate=False, save=False, next_loss=loss_arr)
       if step < cfg.steps:
         batch = s.batches("train", step + 1)  # the next batch is made while this step runs
       profiler.after(step, loss_arr)
@@ -475,6 +480,9 @@ def run(cfg: TrainConfig) -> dict:
     meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": dataset.name, "pack": cfg.pack,
             "run": cfg.trajectory()}
     start = _resume_point(cfg, ckpts, meta, out)
+    out.write({"event": "start", "from_step": start, "steps": cfg.steps, "batch_size": cfg.batch_size,
+               "seq_len": cfg.model.seq_len, "attention": cfg.model.backend, "devices": jax.device_count(),
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})  # where a run (or a resume) begins in the file
     model, state = build(cfg, NamedSharding(mesh, P()))
     if start:
       state = ckpts.restore(start, state)
@@ -488,4 +496,6 @@ def run(cfg: TrainConfig) -> dict:
     s = Session(cfg, model, Batches(dataset, cfg, NamedSharding(mesh, P("data"))), ckpts, meta, out, throughput,
                 stop, start)
     state, loss = _train(s, state)
-  return _summary(s, state, loss, dataset)
+    summary = _summary(s, state, loss, dataset)
+    out.write(summary)
+  return summary
