@@ -122,7 +122,8 @@ class Model:
   """The model split for training, the optimizer, and the jitted step functions."""
   graphdef: nnx.GraphDef  # the model's structure, without its state
   tx: optax.GradientTransformation  # AdamW with the run's schedule
-  lr_at: optax.Schedule  # the learning rate of each update, by 0-based index
+  lrs: np.ndarray  # (steps,) float32: the learning rate of each update, by 0-based index; read on the host, so a
+  # report never queues device work behind a step in flight
   n_params: int  # as nanoGPT counts them for FLOPs
   train_step: object  # (state, batch, step) -> (new state, loss); donates the old state
   eval_loss: object  # (params, fp8, batch) -> loss, dropout off
@@ -149,8 +150,8 @@ def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
 
   eval_loss = jax.jit(lambda params, fp8, batch: _loss(graphdef, params, fp8, batch, None),
                       compiler_options=STEP_COMPILER_OPTIONS)
-  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
-  return Model(graphdef, tx, lr_at, models.count_params(model), train_step, eval_loss), state
+  lrs = np.asarray(optim.schedule(cfg.lr, cfg.steps, cfg.warmup)(jnp.arange(cfg.steps)))  # (steps,), once
+  return Model(graphdef, tx, lrs, models.count_params(model), train_step, eval_loss), state
 
 
 BATCH_FIELDS = ("inputs", "targets", "segment_ids", "positions")  # a packed batch's arrays; unpacked: the first two
@@ -265,7 +266,7 @@ def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool
   # The steps done by now: this one, and the next one too where it has finished already (a device that ran it
   # as it was dispatched), so that the rate counts every step that ran in its interval.
   done = step + 1 if next_loss is not None and next_loss.is_ready() else step
-  record = {"step": step, "loss": loss, "lr": float(s.model.lr_at(step - 1))}
+  record = {"step": step, "loss": loss, "lr": float(s.model.lrs[step - 1])}
   record |= s.throughput.interval(done)
   if evaluate:
     record["val_loss"] = s.val_loss[step] = _validate(s, state)
