@@ -203,8 +203,10 @@ def packed_run(tmp_path_factory):
 
 def test_packed_windowed_run_trains_evaluates_and_samples(packed_run):
   _, out, rows = packed_run
-  assert [r["step"] for r in rows] == [1, 2, 3] and "val_loss" in rows[-1], rows
-  assert np.isfinite([r["loss"] for r in rows]).all() and rows[-1]["tokens_per_s"] > 0
+  steps, summary = [r for r in rows if "step" in r], rows[-1]
+  assert rows[0]["event"] == "start" and summary["event"] == "summary", rows
+  assert [r["step"] for r in steps] == [1, 2, 3] and "val_loss" in steps[-1], rows
+  assert np.isfinite([r["loss"] for r in steps]).all() and summary["tokens_per_s"] > 0
   assert "sample:\n" in out and "window=8" in out, out
 
 

@@ -138,28 +138,51 @@ def test_log_records_wait_for_the_next_step_but_saves_do_not(tmp_path, monkeypat
   assert all(np.isfinite(list(records.values())))
 
 
-def test_rates_count_the_steps_that_ran_when_the_device_runs_each_step_as_it_is_dispatched(tmp_path, monkeypatch):
-  """A step that takes at least 50 ms and is done when its call returns (as on a device that does not queue
-  work): no reported rate may exceed 20 steps/s, at log-only, evaluated and last steps alike (a report one
-  step late must count the step that ran meanwhile), and the metrics file marks where the run begins and ends."""
-  real_build = loop.build
+class _SimulatedLoss:
+  """A step's loss on a simulated device that runs one step at a time: ready once the device clock passes `end`."""
+
+  def __init__(self, value, end: float):
+    self.value, self.end = value, end
+
+  def is_ready(self) -> bool:
+    return time.perf_counter() >= self.end
+
+  def __float__(self) -> float:
+    time.sleep(max(0.0, self.end - time.perf_counter()))
+    return float(self.value)
+
+
+@pytest.mark.parametrize("dispatch", ["inline", "mixed"])
+def test_rates_count_only_the_steps_that_ran_in_their_interval(tmp_path, monkeypatch, dispatch):
+  """On a simulated device that runs each step for 50 ms, one at a time, no reported rate may exceed 20 steps/s,
+  at log-only, evaluated and last steps alike: "inline", every dispatch returns once its step has run (as on a
+  CPU); "mixed", every other one returns while its step still runs. A report written one step late must count
+  the step that ran meanwhile, and never a step that ran before its interval began. The metrics file marks
+  where the run begins and ends."""
+  real_build, device_free = loop.build, [0.0]
 
   def build(cfg, replicated):
     model, state = real_build(cfg, replicated)
     def train_step(state, batch, step):
-      time.sleep(0.05)
-      return jax.block_until_ready(model.train_step(state, batch, step))
+      state, loss = jax.block_until_ready(model.train_step(state, batch, step))
+      device_free[0] = max(time.perf_counter(), device_free[0]) + 0.05  # this step's end on the device
+      if dispatch == "inline" or step % 2 == 0:
+        time.sleep(max(0.0, device_free[0] - time.perf_counter()))
+      else:
+        time.sleep(0.02)  # the host's own work on the dispatch while the device runs the step
+      return state, _SimulatedLoss(loss, device_free[0])
     return dataclasses.replace(model, train_step=train_step), state
 
   monkeypatch.setattr(loop, "build", build)
-  cfg = loop.TrainConfig(model=models.preset("tiny", seq_len=32), steps=12, batch_size=8, warmup=1, eval_every=5,
+  cfg = loop.TrainConfig(model=models.preset("tiny", seq_len=32), steps=24, batch_size=8, warmup=1, eval_every=5,
                          eval_batches=1, log_every=1, sample_tokens=0, progress=False, metrics=str(tmp_path / "m.jsonl"))
   summary = loop.run(cfg)
   rows = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
   rates = {r["step"]: r["steps_per_s"] for r in rows if "loss" in r and "steps_per_s" in r}
   assert len(rates) >= 8 and max(rates.values()) <= 20 * 1.02, rates  # 1.02: the clock's resolution
+  assert summary["steps_per_s"] <= 20 * 1.02
   assert rows[0]["event"] == "start" and rows[0]["from_step"] == 0 and rows[-1] == json.loads(json.dumps(summary))
-  assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13))
+  assert [r["step"] for r in rows if "loss" in r] == list(range(1, 25))
 
 
 def test_a_step_that_fails_keeps_the_record_of_the_finished_step_before_it(tmp_path, monkeypatch):

@@ -146,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _sample_tokens(asked: int | None, seq_len: int) -> int:
   """--sample-tokens as given, or the default: SAMPLE_TOKENS, fewer where the context holds fewer after the prompt."""
-  return min(SAMPLE_TOKENS, loop.sample_lengths(seq_len, SAMPLE_TOKENS)[1]) if asked is None else asked
+  return loop.sample_lengths(seq_len, SAMPLE_TOKENS)[1] if asked is None else asked
 
 
 def fresh_run_dir() -> str:

@@ -122,8 +122,7 @@ class Model:
   """The model split for training, the optimizer, and the jitted step functions."""
   graphdef: nnx.GraphDef  # the model's structure, without its state
   tx: optax.GradientTransformation  # AdamW with the run's schedule
-  lrs: np.ndarray  # (steps,) float32: the learning rate of each update, by 0-based index; read on the host, so a
-  # report never queues device work behind a step in flight
+  lr_at: optax.Schedule  # the learning rate of each update, by 0-based index (lr below reads it)
   n_params: int  # as nanoGPT counts them for FLOPs
   train_step: object  # (state, batch, step) -> (new state, loss); donates the old state
   eval_loss: object  # (params, fp8, batch) -> loss, dropout off
@@ -150,8 +149,20 @@ def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
 
   eval_loss = jax.jit(lambda params, fp8, batch: _loss(graphdef, params, fp8, batch, None),
                       compiler_options=STEP_COMPILER_OPTIONS)
-  lrs = np.asarray(optim.schedule(cfg.lr, cfg.steps, cfg.warmup)(jnp.arange(cfg.steps)))  # (steps,), once
-  return Model(graphdef, tx, lrs, models.count_params(model), train_step, eval_loss), state
+  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
+  return Model(graphdef, tx, lr_at, models.count_params(model), train_step, eval_loss), state
+
+
+def lr(model: Model, step: int) -> float:
+  """The learning rate of step `step` (1-based), computed on the host's CPU device: on the training device the
+  computation would queue behind the step in flight, and a report reading it would wait for that step. (Where
+  JAX_PLATFORMS leaves out the CPU backend, on the default device.)"""
+  try:
+    host = jax.local_devices(backend="cpu")[0]
+  except RuntimeError:  # no CPU backend in this process
+    return float(model.lr_at(step - 1))
+  with jax.default_device(host):
+    return float(model.lr_at(step - 1))
 
 
 BATCH_FIELDS = ("inputs", "targets", "segment_ids", "positions")  # a packed batch's arrays; unpacked: the first two
@@ -262,12 +273,13 @@ def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool
   """Writes step `step`'s metrics record (with the validation loss if `evaluate`), saves it if `save`;
   `state` is that step's unless neither (a log-only report may come one step late: _train). `next_loss`:
   the loss of the step dispatched after this one, where there is one."""
+  was_ready = loss_arr.is_ready()  # before waiting on it: whether its end went unseen
   loss = _finite(float(loss_arr), step, s.ckpts)  # waits for the step
-  # The steps done by now: this one, and the next one too where it has finished already (a device that ran it
-  # as it was dispatched), so that the rate counts every step that ran in its interval.
-  done = step + 1 if next_loss is not None and next_loss.is_ready() else step
-  record = {"step": step, "loss": loss, "lr": float(s.model.lrs[step - 1])}
-  record |= s.throughput.interval(done)
+  now = time.perf_counter()  # read before looking at the next step: if that one ends after it, it ran before it
+  done = _steps_done(step, was_ready, next_loss)
+  counted = done is not None and done > s.throughput.last_step  # steps ended in the interval, and it can end now
+  rate = s.throughput.interval(done if counted else s.throughput.last_step, now)
+  record = {"step": step, "loss": loss, "lr": lr(s.model, step)} | rate
   if evaluate:
     record["val_loss"] = s.val_loss[step] = _validate(s, state)
     if jax.process_index() == 0:
@@ -277,8 +289,26 @@ def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool
   s.out.write(record)
   postfix = {"loss": f"{loss:.3f}"} | ({"tok_s": f"{record['tokens_per_s']:,.0f}"} if record.get("tokens_per_s") else {})
   bar.set_postfix(postfix | ({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
-  s.throughput.mark(done)
-  return loss
+  if evaluate or save:  # the next interval starts after them: their time is not the steps'
+    s.throughput.mark(done)
+  elif counted:  # it starts where this one was measured: writing the record is the next step's time, as it runs
+    s.throughput.mark(done, at=now)
+  return loss  # (nothing counted: the interval goes on, so the time spent here is not dropped from the rate)
+
+
+def _steps_done(step: int, was_ready: bool, next_loss) -> int | None:
+  """How many steps are done now, at a moment that can end a rate's interval, or None where it cannot; just
+  after waiting on step `step`'s loss, with `next_loss` that of the step dispatched after it (None: none yet).
+
+  Nothing in flight (no next step, or it is done too: a device that ran it as it was dispatched) gives the
+  exact count. A next step still running began as `step` ended where that end was waited for (`was_ready`
+  False): the device had it queued. Otherwise `step` ended unseen, the device may have begun the next step
+  any time since, and the interval goes on to a later report."""
+  if next_loss is None:
+    return step
+  if next_loss.is_ready():
+    return step + 1
+  return None if was_ready else step
 
 
 class _Profiler:

@@ -35,8 +35,9 @@ def peak_memory_bytes() -> int | None:
 class Throughput:
   """Steps/s over each interval between reported steps, and the run's typical rate.
 
-  The interval that ends at the first reported step includes compilation on a fresh run,
-  so the run's rate is the median of the intervals after it.
+  Intervals start after the first step (compilation stays out); the first one still runs while
+  the device warms up (on the H200 it was several times slower than the rest), so the run's rate
+  is the median of the intervals after it.
   """
 
   def __init__(self, t_start: float, start_step: int, tokens_per_step: int, flops_per_token: float,
@@ -54,17 +55,19 @@ class Throughput:
     self.time_to_first_step_s = time.perf_counter() - self.t_start
     self.mark(step)
 
-  def mark(self, step: int) -> None:
-    """The next interval starts now, after `step` (evaluation and saving stay out of the rate)."""
-    self.last_t, self.last_step = time.perf_counter(), step
+  def mark(self, step: int, at: float | None = None) -> None:
+    """The next interval starts now (or at time.perf_counter() value `at`), after `step` (evaluation and saving
+    stay out of the rate)."""
+    self.last_t, self.last_step = time.perf_counter() if at is None else at, step
 
-  def interval(self, step: int) -> dict:
-    """steps_per_s, tokens_per_s and mfu since the last mark (none if no step ran since)."""
+  def interval(self, step: int, now: float | None = None) -> dict:
+    """steps_per_s, tokens_per_s and mfu from the last mark to now (a time.perf_counter() value; default: the
+    clock), `step` steps done by then (none if no step ran since the mark)."""
     fields = {} if self.reported else {"time_to_first_step_s": self.time_to_first_step_s}
     self.reported = True
     if step <= self.last_step:
       return fields
-    rate = (step - self.last_step) / (time.perf_counter() - self.last_t)
+    rate = (step - self.last_step) / ((time.perf_counter() if now is None else now) - self.last_t)
     self.rates.append(rate)
     return self.rates_fields(rate) | fields
 
