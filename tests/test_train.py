@@ -220,6 +220,17 @@ def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_p
   assert "prompt (the start of the first validation text):\n" in out and out.index("prompt (") < out.index("sample:\n")
 
 
+def test_rerun_of_a_finished_run_says_nothing_was_trained(tmp_path, capsys):
+  args = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--warmup", "1",
+          "--sample-tokens", "0", "--eval-every", "0", "--no-progress", "--ckpt-dir", str(tmp_path / "c")]
+  cli.main(args)
+  assert f"model saved in {tmp_path / 'c'} (step 2)" in capsys.readouterr().out
+  cli.main(args)
+  out = capsys.readouterr().out
+  assert "step 2 of 2 is done: nothing to train" in out, out
+  assert f"no step to train: the model was saved in {tmp_path / 'c'} (step 2)" in out, out
+
+
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
   ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "5"]
   rc, _, err = train_cli(*SMALL, "--steps", "10", *ckpt)

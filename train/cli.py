@@ -253,8 +253,8 @@ def main(argv=None) -> None:
   if cfg.ckpt_dir:
     if fresh:
       write_latest(cfg.ckpt_dir)
-    print(f"model saved in {cfg.ckpt_dir} (step {cfg.steps}); sample from it with:\n  "
-          + _sample_command(cfg.ckpt_dir, prompt))
+    saved = "model saved in" if summary["final_loss"] is not None else "no step to train: the model was saved in"
+    print(f"{saved} {cfg.ckpt_dir} (step {cfg.steps}); sample from it with:\n  " + _sample_command(cfg.ckpt_dir, prompt))
 
 
 if __name__ == "__main__":

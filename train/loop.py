@@ -463,7 +463,9 @@ def sample_lengths(seq_len: int, sample_tokens: int) -> tuple[int, int]:
 
 
 def _notices(cfg: TrainConfig) -> None:
-  """Says where the run will do less than a setting asks (printed before any work)."""
+  """Says where the run will do less than a setting asks (printed before any work, by process 0)."""
+  if jax.process_index() != 0:
+    return
   if cfg.warmup > cfg.steps:
     print(f"warmup {cfg.warmup} is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} steps, so the "
           f"learning rate rises for the whole run, to {cfg.steps - 1}/{cfg.steps} of the peak lr, and never decays "
