@@ -1,4 +1,7 @@
-"""train.optim: the grouped global norm and the clip built on it against optax's own."""
+"""train.optim: the grouped global norm and the clip built on it against optax's own; the learning-rate schedule
+against nanoGPT's."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -66,3 +69,26 @@ def test_the_chain_state_has_optax_s_structure_so_earlier_checkpoints_restore():
   params = _grads(1.0)
   ref = _optax_adamw()
   assert jax.tree.structure(optim.adamw(1e-2, 10, 2).init(params)) == jax.tree.structure(ref.init(params))
+
+
+def _nanogpt_lr(it: int, lr: float, warmup: int, decay_iters: int) -> float:
+  """nanoGPT's get_lr (train.py), min_lr = lr / 10, lr_decay_iters = the run's steps."""
+  if it < warmup:
+    return lr * (it + 1) / (warmup + 1)
+  if it > decay_iters:
+    return lr / 10
+  coeff = 0.5 * (1.0 + math.cos(math.pi * (it - warmup) / (decay_iters - warmup)))
+  return lr / 10 + coeff * (lr - lr / 10)
+
+
+@pytest.mark.parametrize("steps, warmup", [(50, 10), (20, 0), (7, 1)], ids=["warm-up", "none", "one step"])
+def test_schedule_is_nanogpts_and_the_first_update_moves(steps, warmup):
+  lr_at = optim.schedule(6e-4, steps, warmup)
+  got = [float(lr_at(i)) for i in range(steps)]
+  np.testing.assert_allclose(got, [_nanogpt_lr(i, 6e-4, warmup, steps) for i in range(steps)], rtol=1e-5)
+  assert got[0] > 0
+
+
+def test_a_warmup_longer_than_the_run_is_cut_to_it():
+  lr_at = optim.schedule(1.0, 3, 5)
+  np.testing.assert_allclose([float(lr_at(i)) for i in range(3)], [1 / 4, 2 / 4, 3 / 4], rtol=1e-6)

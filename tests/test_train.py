@@ -213,7 +213,7 @@ def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_p
             "--sample-tokens", "200", "--eval-every", "0", "--no-progress", "--no-ckpt"])
   out = capsys.readouterr().out
   assert "warmup 5 is more than steps 3: the warm-up is shortened to 3 steps, so the learning rate rises for the " \
-         "whole run, to 2/3 of the peak lr, and never decays" in out, out
+         "whole run, to 3/4 of the peak lr, and never decays" in out, out
   assert "sample_tokens 200: the end-of-run sample has 24 new tokens, what fits in the 32-token context after " \
          "its 8-token prompt" in out, out
   assert out.index("warmup 5") < out.index('"event": "summary"')

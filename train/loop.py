@@ -468,7 +468,7 @@ def _notices(cfg: TrainConfig) -> None:
     return
   if cfg.warmup > cfg.steps:
     print(f"warmup {cfg.warmup} is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} steps, so the "
-          f"learning rate rises for the whole run, to {cfg.steps - 1}/{cfg.steps} of the peak lr, and never decays "
+          f"learning rate rises for the whole run, to {cfg.steps}/{cfg.steps + 1} of the peak lr, and never decays "
           "(--warmup sets the warm-up)", flush=True)
   prompt_len, new = sample_lengths(cfg.model.seq_len, cfg.sample_tokens)
   if new < cfg.sample_tokens:

@@ -10,8 +10,16 @@ import optax
 
 
 def schedule(lr: float, steps: int, warmup: int) -> optax.Schedule:
-  warmup = max(1, min(warmup, steps))
-  return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, decay_steps=max(steps, warmup + 1), end_value=0.1 * lr)
+  """nanoGPT's learning rate at 0-based step s: lr * (s + 1) / (warmup + 1) for the first `warmup` steps (the
+  first update already moves, at lr / (warmup + 1); a warm-up from 0 would spend it at lr 0), then a cosine
+  decay to 0.1 * lr at `steps`. warmup 0: the cosine from lr at step 0. A warm-up longer than the run is cut to
+  `steps`."""
+  warmup = min(warmup, steps)
+  decay_steps = max(steps, warmup + 1)
+  if warmup == 0:
+    return optax.cosine_decay_schedule(lr, decay_steps, alpha=0.1)
+  return optax.warmup_cosine_decay_schedule(lr / (warmup + 1), lr, warmup, decay_steps=decay_steps,
+                                            end_value=0.1 * lr)
 
 
 def global_norm(tree) -> jax.Array:
