@@ -361,3 +361,13 @@ def test_checkpoint_from_before_the_fp8_core_history_restores_the_rest_and_start
   np.testing.assert_array_equal(restored["fp8"]["fp8_core"][...], fresh["fp8_core"][...])  # afresh
   del restored["fp8"]["fp8_core"]
   jax.tree.map(np.testing.assert_array_equal, restored["fp8"], old)  # the rest exactly as saved
+
+
+def test_metrics_lines_are_strict_json_and_keep_non_finite_values(tmp_path):
+  f = loop.metrics.MetricsFile(str(tmp_path / "m.jsonl"))
+  f.write({"step": 3, "loss": 2.5, "val_loss": float("nan"), "rates": [float("inf"), -float("inf"), 1.0]})
+  f.close()
+  refuse = lambda name: pytest.fail(f"not strict JSON: {name}")
+  record = json.loads((tmp_path / "m.jsonl").read_text(), parse_constant=refuse)
+  assert record["loss"] == 2.5 and np.isnan(float(record["val_loss"]))
+  assert [float(r) for r in record["rates"]] == [float("inf"), -float("inf"), 1.0]

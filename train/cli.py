@@ -29,7 +29,7 @@ import attnlayers
 from attnlayers import spec
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, lock, loop, signals
+from train import checkpoint, lock, loop, metrics, signals
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -247,7 +247,7 @@ def main(argv=None) -> None:
   sample, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
   if jax.process_index() != 0:
     return
-  print(json.dumps(summary))
+  print(metrics.dumps(summary))
   if sample is not None:
     print(f"prompt (the start of the first validation text):\n{prompt}\nsample:\n{sample}")
   if cfg.ckpt_dir:

@@ -8,6 +8,7 @@ datasheet rate; null where the peak is unknown (CPUs, unlisted GPUs) unless --pe
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -81,6 +82,21 @@ class Throughput:
     return steady[len(steady) // 2] if steady else None
 
 
+def dumps(record: dict) -> str:
+  """One JSON line that strict parsers read: a non-finite float (a diverged loss) is written as the string
+  "NaN", "Infinity" or "-Infinity", as the protobuf JSON mapping writes them (float() reads them back), where
+  json.dumps would write bare NaN, which is not JSON."""
+  def finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+      return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, dict):
+      return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+      return [finite(v) for v in x]
+    return x
+  return json.dumps(finite(record), allow_nan=False)
+
+
 class MetricsFile:
   """Appends one JSON object a line; a resumed run keeps appending to the same file."""
 
@@ -96,7 +112,7 @@ class MetricsFile:
 
   def write(self, record: dict) -> None:
     if self.file:
-      self.file.write(json.dumps(record) + "\n")
+      self.file.write(dumps(record) + "\n")
       self.file.flush()
 
   def close(self) -> None:
