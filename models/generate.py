@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+import attnlayers
 from models.gpt import GPT
 
 BUCKET = 64  # prompt and cache lengths are rounded up to a multiple of this (capped at seq_len)
@@ -204,6 +205,23 @@ class Decoder:
                                  (*state, spec((B,)), spec(()), spec(())))
     self.compile_s = t1 + t2
 
+  def attention_ran(self) -> str:
+    """The kernels the prefill and decode programs' attention calls run on (what `auto` chose), from shape
+    stand-ins of their calls: "prefill cudnn, decode xla"; layers whose windows differ: "cudnn/xla"."""
+    cfg, B, i32 = self.cfg, self.rows, jnp.int32
+    dt, N, K = jnp.dtype(cfg.dtype), cfg.n_head, cfg.n_kv_head or cfg.n_head
+    kv = jax.ShapeDtypeStruct((B, self.cache_len, K, cfg.head_dim), dt)  # (B, L, K, H): the whole cache
+    lengths = jax.ShapeDtypeStruct((B,), i32)
+    windows = dict.fromkeys(cfg.layer_window(i) for i in range(cfg.n_layer))
+    ran = {}
+    for name, T in (("prefill", self.prompt_len), ("decode", 1)):
+      q = jax.ShapeDtypeStruct((B, T, N, cfg.head_dim), dt)  # (B, T, N, H)
+      plans = [attnlayers.explain(cfg.backend, q, kv, kv, is_causal=True, causal_alignment="bottom-right",
+                                  query_seq_lengths=lengths, key_value_seq_lengths=lengths, fp8_core=cfg.fp8_core,
+                                  window=w) for w in windows]
+      ran[name] = "/".join(dict.fromkeys(str(p.chosen) for p in plans))
+    return ", ".join(f"{k} {v}" for k, v in ran.items())
+
   def init_state(self) -> dict:
     """The parameters, an empty cache for (batch, cache_len) and the sampling's random key."""
     cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._cache_shapes)
@@ -249,6 +267,7 @@ class Generation:
   time_to_first_token_s: float  # prefill + first sample, compiled (compile time excluded)
   decode_tokens_per_s: float  # new tokens from the decode loop per second of it (nan: no decode step)
   compile_s: float  # compiling prefill and decode (0 when this shape was compiled before)
+  attention: str  # the kernels the attention calls ran on: Decoder.attention_ran
 
 
 def generate(model: GPT, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -278,7 +297,7 @@ def generate(model: GPT, prompts, *, max_new_tokens: int, sampling: Sampling = S
   tokens, n_new = np.asarray(tokens), np.asarray(n_new)
   out = [np.concatenate([first[b:b + 1], tokens[b, :n_new[b]]]) for b in range(len(rows))]
   rate = float(n_new.sum()) / decode_s if max_new_tokens > 1 else float("nan")
-  return Generation(out, ttft, rate, decoder.compile_s)
+  return Generation(out, ttft, rate, decoder.compile_s, decoder.attention_ran())
 
 
 def _timed(call):
