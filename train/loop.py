@@ -123,6 +123,7 @@ class Model:
   graphdef: nnx.GraphDef  # the model's structure, without its state
   tx: optax.GradientTransformation  # AdamW with the run's schedule
   lr_at: optax.Schedule  # the learning rate of each update, by 0-based index (lr below reads it)
+  lr_device: jax.Device | None  # where lr computes it: the host's CPU (None: the default device)
   n_params: int  # as nanoGPT counts them for FLOPs
   train_step: object  # (state, batch, step) -> (new state, loss); donates the old state
   eval_loss: object  # (params, fp8, batch) -> loss, dropout off
@@ -150,18 +151,22 @@ def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
   eval_loss = jax.jit(lambda params, fp8, batch: _loss(graphdef, params, fp8, batch, None),
                       compiler_options=STEP_COMPILER_OPTIONS)
   lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
-  return Model(graphdef, tx, lr_at, models.count_params(model), train_step, eval_loss), state
+  return Model(graphdef, tx, lr_at, _host_cpu(), models.count_params(model), train_step, eval_loss), state
+
+
+def _host_cpu() -> jax.Device | None:
+  """The host's CPU device, or None where JAX_PLATFORMS leaves out the CPU backend."""
+  try:
+    return jax.local_devices(backend="cpu")[0]
+  except RuntimeError:
+    return None
 
 
 def lr(model: Model, step: int) -> float:
-  """The learning rate of step `step` (1-based), computed on the host's CPU device: on the training device the
-  computation would queue behind the step in flight, and a report reading it would wait for that step. (Where
-  JAX_PLATFORMS leaves out the CPU backend, on the default device.)"""
-  try:
-    host = jax.local_devices(backend="cpu")[0]
-  except RuntimeError:  # no CPU backend in this process
-    return float(model.lr_at(step - 1))
-  with jax.default_device(host):
+  """The learning rate of step `step` (1-based), computed on the host's CPU device (model.lr_device): on the
+  training device the computation would queue behind the step in flight, and a report reading it would wait
+  for that step. (Without a CPU backend, on the default device.)"""
+  with jax.default_device(model.lr_device):
     return float(model.lr_at(step - 1))
 
 
