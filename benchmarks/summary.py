@@ -135,7 +135,9 @@ INCLUDED = [  # reports kept as their benchmark wrote them: (path under the resu
     ("gpt-1b/fp8_train.md", "gpt-1b, 300 steps: te-fp8 vs cudnn loss (`benchmarks.fp8_train --preset gpt-1b --baseline cudnn`)"),
     ("gpt-1b/fp8_train_cudnn_rerun.md", "gpt-1b, 300 steps: the cudnn run again (`python -m train`)"),
     ("gpt2-small/train.md", "gpt2-small: the bf16 step and whole-model FP8 (`benchmarks.train --backends cudnn te te-fp8`)"),
-    ("gpt2-medium/train.md", "gpt2-medium (`benchmarks.train --preset gpt2-medium --backends cudnn te-fp8`)"),
+    ("gpt2-small/steps300/train.md", "gpt2-small over 300 steps (`benchmarks.train --backends cudnn te-fp8 --steps 300`)"),
+    ("gpt2-small/repeat/train.md", "gpt2-small: four cudnn runs in a row (`benchmarks.train --backends cudnn cudnn cudnn cudnn`)"),
+    ("gpt2-medium/train.md", "gpt2-medium (`benchmarks.train --preset gpt2-medium --backends cudnn te te-fp8`)"),
     ("gpt2-small/step.md", "gpt2-small: one step by parts (`benchmarks.step --attn cudnn`)"),
     ("gpt2-small/trace.md", "gpt2-small: one step's GPU kernels (`train --profile-dir`, `benchmarks.trace`)"),
 ]

@@ -43,9 +43,10 @@ def test_te_fp8_speed_note_quotes_the_result_files_it_names():
 
   from attnlayers import spec
   from attnlayers.backends import te_fp8
-  source = {"1.027": "gpt2-small/train.md", "0.992": "gpt2-small/e29f464-train.md",
-            "0.9893": "gpt2-small/03c8adb-train.md",
-            "1.013": "gpt2-small/f626088-train.md", "1.128": "gpt2-medium/train.md",
+  source = {"1.044": "gpt2-small/train.md", "1.037": "gpt2-small/steps300/train.md",
+            "1.027": "gpt2-small/187a03c-train.md", "0.992": "gpt2-small/e29f464-train.md",
+            "0.9893": "gpt2-small/03c8adb-train.md", "1.013": "gpt2-small/f626088-train.md",
+            "1.091": "gpt2-medium/train.md", "1.128": "gpt2-medium/f626088-train.md",
             "1.277": "gpt-1b/train.md"}  # each figure of the note, and the file it is copied from
   assert all(n in open(te_fp8.__file__).read() for n in source.values())  # the module names its sources
   assert FIGURE.findall(te_fp8.SPEED) == list(source)
