@@ -66,9 +66,14 @@ def append(cached_key, cached_value, index, key, value, lengths):
   flat = lambda x: x.reshape((-1, *x.shape[len(batch):]))  # (*batch, ...) -> (B, ...)
   new_k, new_v = (write(flat(c), flat(x), index.reshape(-1)).reshape(c.shape)
                   for c, x in ((cached_key, key), (cached_value, value)))
-  attend = dict(is_causal=True, causal_alignment="bottom-right", query_seq_lengths=lengths,
-                key_value_seq_lengths=index + lengths)
-  return new_k, new_v, index + lengths, attend
+  return new_k, new_v, index + lengths, cached_attention(lengths, index + lengths)
+
+
+def cached_attention(query_lengths, key_lengths) -> dict:
+  """The attention keyword arguments of a call on the cache: each row's new tokens (query_lengths, (*batch,))
+  attend causally, aligned bottom-right, to its cached keys up to them (key_lengths, (*batch,))."""
+  return dict(is_causal=True, causal_alignment="bottom-right", query_seq_lengths=query_lengths,
+              key_value_seq_lengths=key_lengths)
 
 
 def write(cache, new, index):

@@ -25,6 +25,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import attnlayers
+from models import plans
 from models.gpt import GPT
 
 BUCKET = 64  # prompt and cache lengths are rounded up to a multiple of this (capped at seq_len)
@@ -205,22 +206,14 @@ class Decoder:
                                  (*state, spec((B,)), spec(()), spec(())))
     self.compile_s = t1 + t2
 
+  def attention_plans(self) -> dict[str, list[attnlayers.Plan]]:
+    """How the prefill and decode programs' attention calls run (models.plans: what `auto` chose)."""
+    return {name: plans.attention_plans(self.cfg, self.rows, T, cache_len=self.cache_len)
+            for name, T in (("prefill", self.prompt_len), ("decode", 1))}
+
   def attention_ran(self) -> str:
-    """The kernels the prefill and decode programs' attention calls run on (what `auto` chose), from shape
-    stand-ins of their calls: "prefill cudnn, decode xla"; layers whose windows differ: "cudnn/xla"."""
-    cfg, B, i32 = self.cfg, self.rows, jnp.int32
-    dt, N, K = jnp.dtype(cfg.dtype), cfg.n_head, cfg.n_kv_head or cfg.n_head
-    kv = jax.ShapeDtypeStruct((B, self.cache_len, K, cfg.head_dim), dt)  # (B, L, K, H): the whole cache
-    lengths = jax.ShapeDtypeStruct((B,), i32)
-    windows = dict.fromkeys(cfg.layer_window(i) for i in range(cfg.n_layer))
-    ran = {}
-    for name, T in (("prefill", self.prompt_len), ("decode", 1)):
-      q = jax.ShapeDtypeStruct((B, T, N, cfg.head_dim), dt)  # (B, T, N, H)
-      plans = [attnlayers.explain(cfg.backend, q, kv, kv, is_causal=True, causal_alignment="bottom-right",
-                                  query_seq_lengths=lengths, key_value_seq_lengths=lengths, fp8_core=cfg.fp8_core,
-                                  window=w) for w in windows]
-      ran[name] = "/".join(dict.fromkeys(str(p.chosen) for p in plans))
-    return ", ".join(f"{k} {v}" for k, v in ran.items())
+    """The kernels of attention_plans: "prefill cudnn, decode xla"; layers whose windows differ: "cudnn/xla"."""
+    return ", ".join(f"{name} {plans.ran(p)}" for name, p in self.attention_plans().items())
 
   def init_state(self) -> dict:
     """The parameters, an empty cache for (batch, cache_len) and the sampling's random key."""

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import attnlayers
 import models
+from models import plans
 from models.generate import Decoder, Sampling, generate
 
 GREEDY = Sampling(temperature=0)
@@ -224,3 +226,37 @@ def test_decode_calls_of_the_model_check_their_input():
     m(jnp.zeros((1, 10), jnp.int32), decode=True)
   with pytest.raises(ValueError, match=r"max_length \(97\) must be in \[1, seq_len=96\]"):
     m.init_cache(1, 97)
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list:
+  """The description (attnlayers.spec.Call) of every attention call planned from now on: the model's real calls
+  as they are traced, and the stand-ins models.plans builds."""
+  seen, real = [], attnlayers.core.plan
+  monkeypatch.setattr(attnlayers.core, "plan", lambda backend, call: seen.append(call) or real(backend, call))
+  return seen
+
+
+@pytest.mark.parametrize("overrides", [{}, {"window": 8, "window_pattern": "local,global"},
+                                       {"n_kv_head": 1, "seq_len": 80}], ids=["plain", "windows", "MQA"])
+def test_the_decoders_reported_kernels_are_planned_from_its_real_calls(calls, overrides):
+  decoder = Decoder(model(config(**overrides)), batch=3, cache_len=64, prompt_len=16, sampling=GREEDY)
+  traced = set(calls)  # compiling the prefill and decode programs traced every layer's call
+  calls.clear()
+  plans = decoder.attention_plans()
+  assert set(p.call for ps in plans.values() for p in ps) == traced
+  assert decoder.attention_ran() == "prefill xla, decode xla"  # on a CPU
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_the_trainers_plans_are_its_steps_real_calls(calls, pack):
+  cfg = config(window=8, window_pattern="local,global", seq_len=48)
+  B, T = 2, cfg.seq_len
+  tokens = jnp.zeros((B, T), jnp.int32)
+  packed = {"segment_ids": jnp.ones((B, T), jnp.int32), "positions": jnp.broadcast_to(jnp.arange(T), (B, T))}
+  m = model(cfg)
+  calls.clear()
+  m(tokens, **(packed if pack else {}))  # eager: the packed inputs are checked on their values
+  traced = set(calls)
+  calls.clear()
+  assert set(p.call for p in plans.attention_plans(cfg, B, T, pack=pack)) == traced

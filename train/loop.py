@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -32,7 +31,7 @@ from tqdm.auto import tqdm
 import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
-from models import generate, kernels
+from models import generate, kernels, plans
 from models.loss import head_cross_entropy
 from train import checkpoint, data, metrics, optim, sample, signals, stepdirs
 
@@ -413,15 +412,8 @@ def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
 
 
 def attention_plans(cfg: models.GPTConfig, batch_size: int, pack: bool) -> list[attnlayers.Plan]:
-  """How the training step's attention calls run, one plan per distinct layer window, from shape stand-ins."""
-  dt = jnp.dtype(cfg.dtype)
-  q = jax.ShapeDtypeStruct((batch_size, cfg.seq_len, cfg.n_head, cfg.head_dim), dt)  # (B, T, N, H)
-  kv = jax.ShapeDtypeStruct((batch_size, cfg.seq_len, cfg.n_kv_head or cfg.n_head, cfg.head_dim), dt)  # (B, S, K, H)
-  ids = jax.ShapeDtypeStruct((batch_size, cfg.seq_len), jnp.int32) if pack else None  # (B, T)
-  windows = dict.fromkeys(cfg.layer_window(i) for i in range(cfg.n_layer))
-  bound = {"max_segments": cfg.max_segments} if pack and cfg.max_segments else {}
-  return [attnlayers.explain(cfg.backend, q, kv, kv, is_causal=cfg.causal, fp8_core=cfg.fp8_core, segment_ids=ids,
-                             window=w, **bound) for w in windows]
+  """How the training step's attention calls run, one plan per distinct layer window (models.plans)."""
+  return plans.attention_plans(cfg, batch_size, cfg.seq_len, pack=pack)
 
 
 def data_mesh(devices) -> jax.sharding.Mesh:
@@ -439,8 +431,8 @@ def _check_attention(cfg: TrainConfig) -> None:
 
 
 def attention_ran(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> str:
-  """The kernel the model's attention calls run on (what `auto` chose); layers that differ: "a, b"."""
-  return ", ".join(dict.fromkeys(str(p.chosen) for p in attention_plans(cfg, batch_size, pack)))
+  """The kernel the model's attention calls run on (what `auto` chose); layers that differ: "a/b"."""
+  return plans.ran(attention_plans(cfg, batch_size, pack))
 
 
 def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) -> dict:

@@ -167,17 +167,18 @@ def run(a) -> None:
   if a.top_k is not None and a.top_k > cfg.vocab_size:
     raise SampleError(f"--top-k {a.top_k} is more than the model's vocabulary ({cfg.vocab_size} tokens); "
                       f"use 1..{cfg.vocab_size}, or leave it out to keep every token")
+  print(f"{r.directory}: step {r.step}, trained on {r.data}; {cfg.n_layer} layers, d_model {cfg.d_model}, "
+        f"context {cfg.seq_len}; attention {a.attn}", flush=True)
   gen = generate(r.model, [prompt] * a.batch, max_new_tokens=new,
                  sampling=Sampling(temperature=a.temperature, top_k=a.top_k, seed=a.seed))
-  print(f"{r.directory}: step {r.step}, trained on {r.data}; {cfg.n_layer} layers, d_model {cfg.d_model}, "
-        f"context {cfg.seq_len}; attention {a.attn} ({gen.attention})", flush=True)
   for i, tokens in enumerate(gen.tokens):
     if a.batch > 1:
       print(f"--- sample {i + 1} of {a.batch}")
     print(sample.decode(list(prompt) + list(tokens), cfg.vocab_size))
   rate = f"{gen.decode_tokens_per_s:,.0f} tokens/s" if math.isfinite(gen.decode_tokens_per_s) else "no decode step"
   print(f"---\ntime to first token: {gen.time_to_first_token_s * 1e3:.1f} ms; decode: {rate} "
-        f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s, not counted)")
+        f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s, not counted); attention {a.attn} ran on: "
+        f"{gen.attention}")
 
 
 def main(argv=None) -> None:
