@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import models
-from train import checkpoint, cli, data, loop, stepdirs
+from train import checkpoint, cli, data, loop, optim, stepdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -367,6 +367,22 @@ def test_steps_extension_with_allow_change_is_recorded(ckpt, tmp_path, capsys):
   assert rows[0] == {"event": "resume", "step": 20, "ckpt_dir": str(ckpt), "changed": {"steps": {"from": 20, "to": 22}}}
   assert rows[1]["event"] == "start" and rows[1]["from_step"] == 20 and rows[-1]["event"] == "summary"
   assert [r["step"] for r in rows[2:-1]] == [21, 22]
+
+
+def test_a_checkpoint_from_before_the_warmup_rule_resumes_only_where_allowed(tmp_path):
+  """A run saved before the warm-up started at lr / (warmup + 1) warmed up from 0: resuming it on the new rule
+  would not continue it, so it needs --allow-change warmup_rule (and the CLI takes that flag)."""
+  now = {"model": {"n_layer": 2}, "seed": 0, "data": "python-stdlib", "pack": False,
+         "run": {"lr": 1.0, "warmup_rule": optim.WARMUP_RULE}}
+  old = now | {"run": {"lr": 1.0}}  # no warmup_rule key
+  with pytest.raises(checkpoint.ResumeMismatchError) as e:
+    checkpoint.check_meta(str(tmp_path), 5, old, now)
+  assert ("run.warmup_rule: checkpoint 'lr * step / warmup', now 'lr * (step + 1) / (warmup + 1)' "
+          "(accept with --allow-change warmup_rule)") in str(e.value)
+  assert checkpoint.check_meta(str(tmp_path), 5, old, now, ("warmup_rule",)) == {
+      "warmup_rule": {"from": "lr * step / warmup", "to": optim.WARMUP_RULE}}
+  assert checkpoint.check_meta(str(tmp_path), 5, now, now) == {}
+  assert cli.parser().parse_args(["--allow-change", "warmup-rule"]).allow_change == ["warmup_rule"]
 
 
 def test_checkpoint_with_other_array_shapes_is_one_line(tmp_path):

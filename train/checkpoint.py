@@ -199,8 +199,10 @@ def _one_line(what: str, call):
     raise CheckpointError(f"cannot {what}: {type(e).__name__}: {first}") from None
 
 
-# What a checkpoint written before a meta key existed meant by its absence: it trained unpacked.
+# What a checkpoint written before a meta key existed meant by its absence: it trained unpacked, and its
+# learning rate warmed up from 0 (optax's warm-up; train.optim.WARMUP_RULE since).
 ABSENT_META = {"pack": False}
+ABSENT_RUN = {"warmup_rule": "lr * step / warmup"}
 
 
 def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_change=()) -> dict:
@@ -216,13 +218,14 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
     a, b = saved.get(key, ABSENT_META.get(key)), expected.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
       for k in sorted(set(a) | set(b)):
-        if a.get(k) == b.get(k):
+        was = a.get(k, ABSENT_RUN.get(k)) if key == "run" else a.get(k)
+        if was == b.get(k):
           continue
         if key == "run" and k in allow_change:
-          accepted[k] = {"from": a.get(k), "to": b.get(k)}
+          accepted[k] = {"from": was, "to": b.get(k)}
         else:
           hint = f" (accept with --allow-change {k})" if key == "run" else ""
-          diffs.append(f"{key}.{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}{hint}")
+          diffs.append(f"{key}.{k}: checkpoint {was!r}, now {b.get(k)!r}{hint}")
     elif a != b:
       diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")
   if diffs:

@@ -9,6 +9,11 @@ import jax.numpy as jnp
 import optax
 
 
+# How the warm-up rises, recorded in checkpoints (a resume on another rule would not continue the run). Runs
+# before it was recorded warmed up from 0: lr * step / warmup (checkpoint.ABSENT_RUN).
+WARMUP_RULE = "lr * (step + 1) / (warmup + 1)"
+
+
 def schedule(lr: float, steps: int, warmup: int) -> optax.Schedule:
   """nanoGPT's learning rate at 0-based step s: lr * (s + 1) / (warmup + 1) for the first `warmup` steps (the
   first update already moves, at lr / (warmup + 1); a warm-up from 0 would spend it at lr 0), then a cosine
