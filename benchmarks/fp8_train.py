@@ -19,7 +19,7 @@ import numpy as np
 
 import models
 from benchmarks import common, report
-from train import loop
+from train import loop, metrics
 
 
 SMALL = {"n_layer": 4, "n_head": 4, "d_model": 512, "seq_len": 512}  # --preset tiny: the fields not given
@@ -42,7 +42,7 @@ def run(backend: str, a) -> list[dict]:
                                       log_every=a.log_every, eval_every=0, sample_tokens=0, metrics=path,
                                       progress=False))
   with open(path) as f:
-    records = [json.loads(line) for line in f if '"step"' in line]
+    records = [metrics.loads(line) for line in f if '"step"' in line]
   print(backend, json.dumps(summary), flush=True)
   dtype = "fp8" if backend == "te-fp8" else "bf16"
   return [{"backend": backend, "dtype": dtype, "status": "ok", "step": r["step"], "loss": r["loss"]}

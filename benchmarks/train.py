@@ -22,6 +22,7 @@ import sys
 import attnlayers
 import models
 from benchmarks import clocks, common, report
+from train import metrics
 
 
 PACKINGS = ("unpacked", "packed")
@@ -70,7 +71,7 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
     reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}"
     unavailable = "cannot run" in proc.stderr
     return row | {"status": "unavailable" if unavailable else "error", "reason": _reasons(proc.stderr) or reason}
-  s = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"event": "summary"')][-1])
+  s = metrics.loads([line for line in proc.stdout.splitlines() if line.startswith('{"event": "summary"')][-1])
   model = models.preset(preset, seq_len=seq_len)
   model_flops = s["tokens_per_s"] * models.flops_per_token(model, s["params"], seq_len)
   return row | {"status": "ok", "steps_per_s": s["steps_per_s"], "tokens_per_s": s["tokens_per_s"],

@@ -371,3 +371,6 @@ def test_metrics_lines_are_strict_json_and_keep_non_finite_values(tmp_path):
   record = json.loads((tmp_path / "m.jsonl").read_text(), parse_constant=refuse)
   assert record["loss"] == 2.5 and np.isnan(float(record["val_loss"]))
   assert [float(r) for r in record["rates"]] == [float("inf"), -float("inf"), 1.0]
+  back = loop.metrics.loads(loop.metrics.dumps({"final_val_loss": -float("inf"), "sample": "NaN",
+                                                 "nested": {"mfu": float("nan")}}))
+  assert back["final_val_loss"] == -float("inf") and np.isnan(back["nested"]["mfu"]) and back["sample"] == "NaN"

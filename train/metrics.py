@@ -97,6 +97,18 @@ def dumps(record: dict) -> str:
   return json.dumps(finite(record), allow_nan=False)
 
 
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def loads(line: str) -> dict:
+  """A record `dumps` wrote, its non-finite numbers (the strings NON_FINITE names, at any key but a text one)
+  floats again."""
+  text = ("sample", "sample_prompt")  # the run's free text, which may read "NaN"
+  def number(record):
+    return {k: NON_FINITE.get(v, v) if isinstance(v, str) and k not in text else v for k, v in record.items()}
+  return json.loads(line, object_hook=number)
+
+
 class MetricsFile:
   """Appends one JSON object a line; a resumed run keeps appending to the same file."""
 
