@@ -83,10 +83,11 @@ def _nanogpt_lr(it: int, lr: float, warmup: int, decay_iters: int) -> float:
 
 @pytest.mark.parametrize("steps, warmup", [(50, 10), (20, 0), (7, 1)], ids=["warm-up", "none", "one step"])
 def test_schedule_is_nanogpts_and_the_first_update_moves(steps, warmup):
+  """nanoGPT runs iterations 0..max_iters: a run of `steps` updates is its max_iters = lr_decay_iters = steps - 1."""
   lr_at = optim.schedule(6e-4, steps, warmup)
   got = [float(lr_at(i)) for i in range(steps)]
-  np.testing.assert_allclose(got, [_nanogpt_lr(i, 6e-4, warmup, steps) for i in range(steps)], rtol=1e-5)
-  assert got[0] > 0
+  np.testing.assert_allclose(got, [_nanogpt_lr(i, 6e-4, warmup, steps - 1) for i in range(steps)], rtol=1e-5)
+  assert got[0] > 0 and got[-1] == pytest.approx(6e-5, rel=1e-5)  # the last step at lr / 10
 
 
 def test_a_warmup_longer_than_the_run_is_cut_to_it():

@@ -369,20 +369,21 @@ def test_steps_extension_with_allow_change_is_recorded(ckpt, tmp_path, capsys):
   assert [r["step"] for r in rows[2:-1]] == [21, 22]
 
 
-def test_a_checkpoint_from_before_the_warmup_rule_resumes_only_where_allowed(tmp_path):
+def test_a_checkpoint_from_before_the_lr_schedule_was_recorded_resumes_only_where_allowed(tmp_path):
   """A run saved before the warm-up started at lr / (warmup + 1) warmed up from 0: resuming it on the new rule
-  would not continue it, so it needs --allow-change warmup_rule (and the CLI takes that flag)."""
+  would not continue it, so it needs --allow-change lr_schedule (and the CLI takes that flag)."""
   now = {"model": {"n_layer": 2}, "seed": 0, "data": "python-stdlib", "pack": False,
-         "run": {"lr": 1.0, "warmup_rule": optim.WARMUP_RULE}}
-  old = now | {"run": {"lr": 1.0}}  # no warmup_rule key
+         "run": {"lr": 1.0, "lr_schedule": optim.LR_SCHEDULE}}
+  old = now | {"run": {"lr": 1.0}}  # no lr_schedule key
   with pytest.raises(checkpoint.ResumeMismatchError) as e:
     checkpoint.check_meta(str(tmp_path), 5, old, now)
-  assert ("run.warmup_rule: checkpoint 'lr * step / warmup', now 'lr * (step + 1) / (warmup + 1)' "
-          "(accept with --allow-change warmup_rule)") in str(e.value)
-  assert checkpoint.check_meta(str(tmp_path), 5, old, now, ("warmup_rule",)) == {
-      "warmup_rule": {"from": "lr * step / warmup", "to": optim.WARMUP_RULE}}
+  was = "warm-up lr * s / warmup, cosine to lr / 10 after the last step"
+  assert (f"run.lr_schedule: checkpoint {was!r}, now {optim.LR_SCHEDULE!r} (accept with --allow-change "
+          "lr_schedule)") in str(e.value)
+  assert checkpoint.check_meta(str(tmp_path), 5, old, now, ("lr_schedule",)) == {
+      "lr_schedule": {"from": was, "to": optim.LR_SCHEDULE}}
   assert checkpoint.check_meta(str(tmp_path), 5, now, now) == {}
-  assert cli.parser().parse_args(["--allow-change", "warmup-rule"]).allow_change == ["warmup_rule"]
+  assert cli.parser().parse_args(["--allow-change", "lr-schedule"]).allow_change == ["lr_schedule"]
 
 
 def test_checkpoint_with_other_array_shapes_is_one_line(tmp_path):

@@ -200,9 +200,9 @@ def _one_line(what: str, call):
 
 
 # What a checkpoint written before a meta key existed meant by its absence: it trained unpacked, and its
-# learning rate warmed up from 0 (optax's warm-up; train.optim.WARMUP_RULE since).
+# learning rate warmed up from 0 and decayed to lr / 10 a step after its last (train.optim.LR_SCHEDULE since).
 ABSENT_META = {"pack": False}
-ABSENT_RUN = {"warmup_rule": "lr * step / warmup"}
+ABSENT_RUN = {"lr_schedule": "warm-up lr * s / warmup, cosine to lr / 10 after the last step"}
 
 
 def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_change=()) -> dict:

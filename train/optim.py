@@ -9,18 +9,19 @@ import jax.numpy as jnp
 import optax
 
 
-# How the warm-up rises, recorded in checkpoints (a resume on another rule would not continue the run). Runs
-# before it was recorded warmed up from 0: lr * step / warmup (checkpoint.ABSENT_RUN).
-WARMUP_RULE = "lr * (step + 1) / (warmup + 1)"
+# The schedule's rule, recorded in checkpoints (a resume on another rule would not continue the run). Runs
+# before it was recorded warmed up from 0 and ended their cosine a step after their last (checkpoint.ABSENT_RUN).
+LR_SCHEDULE = "warm-up lr * (s + 1) / (warmup + 1), cosine to lr / 10 at the last step"
 
 
 def schedule(lr: float, steps: int, warmup: int) -> optax.Schedule:
-  """nanoGPT's learning rate at 0-based step s: lr * (s + 1) / (warmup + 1) for the first `warmup` steps (the
-  first update already moves, at lr / (warmup + 1); a warm-up from 0 would spend it at lr 0), then a cosine
-  decay to 0.1 * lr at `steps`. warmup 0: the cosine from lr at step 0. A warm-up longer than the run is cut to
-  `steps`."""
+  """nanoGPT's learning rate at 0-based step s of a run of `steps` updates (nanoGPT's max_iters = lr_decay_iters
+  = steps - 1: its loop runs max_iters + 1): lr * (s + 1) / (warmup + 1) for the first `warmup` steps (the first
+  update already moves, at lr / (warmup + 1); a warm-up from 0 would spend it at lr 0), then a cosine decay to
+  0.1 * lr at the last step, s = steps - 1. warmup 0: the cosine from lr at step 0. A warm-up longer than the
+  run is cut to `steps`."""
   warmup = min(warmup, steps)
-  decay_steps = max(steps, warmup + 1)
+  decay_steps = max(steps - 1, warmup + 1)
   if warmup == 0:
     return optax.cosine_decay_schedule(lr, decay_steps, alpha=0.1)
   return optax.warmup_cosine_decay_schedule(lr / (warmup + 1), lr, warmup, decay_steps=decay_steps,
