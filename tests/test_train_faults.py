@@ -259,6 +259,8 @@ def test_signal_saves_the_step_and_resume_is_bitwise(tmp_path, jax_cache, uninte
   name = signal.Signals(signum).name
   assert f"stopped by {name} after step {stopped}: saved step {stopped} in {tmp_path / 'c'}" in err, err
   assert stepdirs.problem(str(tmp_path / "c" / str(stopped))) is None
+  records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+  assert records[-1] == {"event": "stopped", "step": stopped, "signal": name, "saved": True}
   rc, out, err = train_cli(args, jax_cache)
   assert rc == 0 and f"resumed from {tmp_path / 'c'} at step {stopped}" in out, err
   resumed = losses(tmp_path / "m.jsonl")
@@ -384,6 +386,16 @@ def test_a_checkpoint_from_before_the_lr_schedule_was_recorded_resumes_only_wher
       "lr_schedule": {"from": was, "to": optim.LR_SCHEDULE}}
   assert checkpoint.check_meta(str(tmp_path), 5, now, now) == {}
   assert cli.parser().parse_args(["--allow-change", "lr-schedule"]).allow_change == ["lr_schedule"]
+
+
+def test_steps_below_the_checkpoint_are_refused_and_nothing_is_written(ckpt, tmp_path, capsys):
+  before = sorted(os.listdir(ckpt))
+  with pytest.raises(SystemExit) as e:
+    cli.main([*TINY, "--steps", "15", "--ckpt-every", "10", "--ckpt-dir", str(ckpt), "--allow-change", "steps",
+              "--metrics", str(tmp_path / "m.jsonl")])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and f"{ckpt} holds step 20, past --steps 15: there is nothing to train" in err, err
+  assert sorted(os.listdir(ckpt)) == before and not (tmp_path / "m.jsonl").read_text()
 
 
 def test_checkpoint_with_other_array_shapes_is_one_line(tmp_path):

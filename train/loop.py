@@ -253,6 +253,10 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile)
   if step is None:
     return 0
   changes = ckpts.check_resume(step, meta, cfg.allow_change)
+  if step > cfg.steps:  # (--allow-change steps let it shrink)
+    raise checkpoint.ResumeMismatchError(
+        f"{ckpts.directory} holds step {step}, past --steps {cfg.steps}: there is nothing to train. Give --steps "
+        f"above {step} to train on from it, or sample from it: python -m sample --ckpt-dir {ckpts.directory}")
   out.write({"event": "resume", "step": step, "ckpt_dir": ckpts.directory, "changed": changes})
   for k, c in changes.items():
     print(f"--allow-change {k}: {c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
@@ -401,6 +405,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
 
 
 def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
+  """The exception that ends a run stopped by a signal after `step`; writes its `stopped` record."""
   if saved:
     where = f"saved step {step} in {s.ckpts.directory}; the same command with --ckpt-dir {s.ckpts.directory} " \
             "resumes from there"
@@ -409,6 +414,7 @@ def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
              f"{f'step {s.start}' if s.start else 'the start'}")
   else:
     where = "nothing saved (no --ckpt-dir)"
+  s.out.write({"event": "stopped", "step": step, "signal": s.stop.name, "saved": saved})
   return signals.Stopped(s.stop.received, step, f"stopped by {s.stop.name} after step {step}: {where}")
 
 
