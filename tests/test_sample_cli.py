@@ -151,6 +151,9 @@ BAD = {
                         "argument --attn: invalid choice: 'flash'"),
     "backend-cannot-run": (lambda t, d: ["--ckpt-dir", str(t[1]), "--attn", "cudnn", "--tokens", "2"],
                            "backend 'cudnn' cannot run"),  # the tiny model is float32: cuDNN refuses it anywhere
+    "backend-hint": (lambda t, d: ["--ckpt-dir", str(t[1]), "--attn", "cudnn", "--tokens", "2"],
+                     "here: --attn picks the backend (auto: one that runs this model); the compute dtype is the one "
+                     "the model was trained in (python -m train --dtype)"),
     "top-k-past-vocab": (lambda t, d: ["--ckpt-dir", str(t[1]), "--top-k", "300"],
                          "--top-k 300 is more than the model's vocabulary (256 tokens)"),
     "top-k-0": (lambda t, d: ["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),

@@ -186,5 +186,9 @@ def main(argv=None) -> None:
   try:
     run(a)
   except (SampleError, ValueError, attnlayers.BackendUnavailableError) as e:  # FP8Unavailable is one too
-    print(f"error: {e}", file=sys.stderr)
+    hint = ""
+    if isinstance(e, attnlayers.BackendUnavailableError):
+      hint = ("\nhere: --attn picks the backend (auto: one that runs this model); the compute dtype is the one the "
+              "model was trained in (python -m train --dtype)")
+    print(f"error: {e}{hint}", file=sys.stderr)
     sys.exit(2)
