@@ -26,10 +26,13 @@ from train import metrics
 
 
 PACKINGS = ("unpacked", "packed")
+BIASES = ("with", "without")  # the preset's biases in every Linear and LayerNorm, or none (train --no-bias)
 PACK_NOTE = ("`packing`: unpacked windows of one text, or packed documents (train --pack: segment ids stop "
              "attention at document boundaries); neither pads, so tokens_per_s counts only real tokens. "
              "`vs_unpacked`: tokens_per_s over the unpacked run's of the same backend and shape. `val_loss`: at the "
-             "last step, on the same unpacked held-out windows for both.")
+             "last step, on the same unpacked held-out windows for both. `bias`: the model with GPT-2's biases in its "
+             "Linears and LayerNorms, or without any (train --no-bias, as nanoGPT's train.py trains by default); "
+             "a ratio is always against a row with the same biases.")
 CLOCK_COLS = ("sm_mhz", "power_w", "power_capped_share", "busy_samples")  # per run, from benchmarks.clocks
 FP8_CORE = "fp8-or-bf16"  # te-fp8 rows: FP8 core where the model's head dim qualifies, else bf16
 COLUMN_NOTE = ("`vs_cudnn`: tokens_per_s over the cudnn run's of the same preset, shape and packing (same process). "
@@ -47,16 +50,18 @@ COLUMN_NOTE = ("`vs_cudnn`: tokens_per_s over the cudnn run's of the same preset
 
 
 def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int, timeout_s: float,
-            packing: str = "unpacked", data: str | None = None, evaluate: bool = False) -> dict:
+            packing: str = "unpacked", data: str | None = None, evaluate: bool = False, bias: str = "with") -> dict:
   """One `python -m train` process per run, so compilation caches and peak memory are its own. Packed runs
-  (train --pack) are validated, at their last step, on the same unpacked windows as unpacked ones."""
+  (train --pack) are validated, at their last step, on the same unpacked windows as unpacked ones. bias:
+  "with" (the preset's biases) or "without" (train --no-bias)."""
   row = {"backend": backend, "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "steps": steps,
-         "packing": packing}
+         "packing": packing, "bias": bias}
   cmd = [sys.executable, "-m", "train", "--attn", backend, "--preset", preset, "--seq-len", str(seq_len),
          "--batch-size", str(batch_size), "--steps", str(steps), "--warmup", str(min(10, steps)),
          "--eval-every", str(steps if evaluate else 0),
          "--log-every", str(max(1, steps // 6)), "--sample-tokens", "0", "--no-progress", "--no-ckpt"]
   cmd += ["--pack"] if packing == "packed" else []
+  cmd += ["--no-bias"] if bias == "without" else []
   cmd += ["--data", data] if data else []
   if backend == "te-fp8":
     cmd += ["--fp8-core", FP8_CORE]
@@ -93,7 +98,7 @@ def _reasons(stderr: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  cols = ["backend", "preset", "fp8_core", "packing", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s",
+  cols = ["backend", "preset", "fp8_core", "packing", "bias", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s",
           "vs_unpacked", "vs_cudnn", "mfu", "vs_matmul", "vs_sustained_matmul", "time_to_first_step_s", "peak_memory_gib",
           "final_loss", "val_loss", *CLOCK_COLS]
   reasons = [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
@@ -113,6 +118,9 @@ def main(argv=None) -> None:
   p.add_argument("--packing", nargs="+", choices=PACKINGS, default=["unpacked"],
                  help="unpacked windows, packed documents (train --pack), or both side by side; with packed, every "
                       "run reports val_loss at its last step (the same unpacked windows in both modes)")
+  p.add_argument("--bias", nargs="+", choices=BIASES, default=["with"],
+                 help="the model with the preset's biases in its Linears and LayerNorms (GPT-2's), without any "
+                      "(train --no-bias, nanoGPT's train.py default), or both side by side; default: with")
   p.add_argument("--data", help="train --data (default: the embedded corpus)")
   p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
   p.add_argument("--matmul-n", type=int, help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, "
@@ -129,9 +137,10 @@ def main(argv=None) -> None:
   for seq_len, batch_size in zip(a.seq_len, batches):
     for backend in a.backends:
       for packing in a.packing:
-        rows.append(run_one(backend, a.preset, seq_len, batch_size, a.steps, a.run_timeout, packing, a.data,
-                            evaluate="packed" in a.packing))
-        print(json.dumps(rows[-1]), flush=True)
+        for bias in a.bias:
+          rows.append(run_one(backend, a.preset, seq_len, batch_size, a.steps, a.run_timeout, packing, a.data,
+                              evaluate="packed" in a.packing, bias=bias))
+          print(json.dumps(rows[-1]), flush=True)
   # after the runs: this process takes the GPU only once the children have let it go
   matmul = common.matmul_tflops(n=a.matmul_n)
   with clocks.Sampler() as gpu:  # the yardstick's ~0.3 s is too short to sample: the same matmul for ~3 s
@@ -144,7 +153,7 @@ def main(argv=None) -> None:
       r["vs_matmul"] = r["model_tflops"] / matmul
       r["vs_sustained_matmul"] = r["model_tflops"] / sustained
       unpacked = [u for u in rows if u["status"] == "ok" and u["packing"] == "unpacked"
-                  and all(u[k] == r[k] for k in ("backend", "seq_len", "batch_size"))]
+                  and all(u[k] == r[k] for k in ("backend", "seq_len", "batch_size", "bias"))]
       if r["packing"] == "packed" and unpacked:
         r["vs_unpacked"] = r["tokens_per_s"] / unpacked[0]["tokens_per_s"]
   print(json.dumps(env), flush=True)
@@ -155,10 +164,12 @@ def main(argv=None) -> None:
 
 def write(out: str, env: dict, rows: list[dict]) -> None:
   """train.json, .csv, .md and one tokens/s plot per sequence length, from the runs' rows (each names its
-  preset); adds vs_cudnn, each ok row's tokens/s over the same-run cudnn row of the same shape and packing."""
+  preset); adds vs_cudnn, each ok row's tokens/s over the same-run cudnn row of the same shape, packing and
+  biases (rows from before the bias column count as with them)."""
   for r in rows:
     base = [c for c in rows if c["backend"] == "cudnn" and c["status"] == "ok"
-            and all(c[k] == r[k] for k in ("preset", "seq_len", "batch_size", "packing"))]
+            and all(c[k] == r[k] for k in ("preset", "seq_len", "batch_size", "packing"))
+            and c.get("bias", "with") == r.get("bias", "with")]
     if r["status"] == "ok" and base:
       r["vs_cudnn"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
   os.makedirs(out, exist_ok=True)

@@ -25,6 +25,7 @@ class GPTConfig:
   dtype: str = "bfloat16"  # compute dtype of activations and matmuls
   param_dtype: str = "float32"  # parameters and optimizer state
   tie_embeddings: bool = True  # output projection reuses the token embedding (GPT-2)
+  bias: bool = True  # biases in the Linears and LayerNorms (GPT-2); False: none (nanoGPT's train.py default)
   window: int | None = None  # sliding window: each query sees itself and the window - 1 tokens before it; None = all
   window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled over the layers
   max_segments: int | None = None  # packed rows: the most documents one holds (te runs B * max_segments sequences); None: seq_len
@@ -38,6 +39,8 @@ class GPTConfig:
       raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
     if self.fp8_core != "fp8" and self.backend != "te-fp8":
       raise ValueError(f"fp8_core={self.fp8_core!r} applies to backend 'te-fp8' only; got backend {self.backend!r}")
+    if not isinstance(self.bias, bool):
+      raise ValueError(f"bias must be True (biases in the Linears and LayerNorms) or False (none); got {self.bias!r}")
     if self.kernels not in KERNELS:
       raise ValueError(f"kernels must be one of {KERNELS} (models.kernels); got {self.kernels!r}")
     self._check_window()
@@ -72,9 +75,10 @@ class GPTConfig:
   def architecture(self) -> dict:
     """The fields that shape the parameters, and the attention window: what a checkpoint must agree on to
     resume, and what python -m sample rebuilds the model from. The window fields appear only when a window
-    is set, so a checkpoint written before they existed reads as what it is: no window."""
+    is set, so a checkpoint written before they existed reads as what it is: no window (one without "bias"
+    has biases: train.checkpoint.ABSENT_MODEL)."""
     fields = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio",
-              "param_dtype", "tie_embeddings")
+              "param_dtype", "tie_embeddings", "bias")
     window = {"window": self.window, "window_pattern": self.window_pattern} if self.window is not None else {}
     return {f: getattr(self, f) for f in fields} | {"n_kv_head": self.n_kv_head or self.n_head} | window
 

@@ -3,7 +3,8 @@
 Pre-norm blocks (LayerNorm -> attention -> residual, LayerNorm -> GELU MLP -> residual; the
 stream passes from block to block as a pair whose sum it is, which the next LayerNorm adds in
 its own pass: models.layernorm), learned absolute positions, token embedding tied to the output projection, GPT-2's
-initialisation (normal 0.02, residual projections scaled by 1/sqrt(2 * n_layer)). The
+initialisation (normal 0.02, residual projections scaled by 1/sqrt(2 * n_layer)); `config.bias`
+False drops every Linear's and LayerNorm's bias (nanoGPT's bias=False). The
 attention kernel is `config.backend`; the model never branches on it, except that
 backend "te-fp8" means FP8 for the whole model: the attention projections (q/k/v as one
 GEMM) and both MLP GEMMs run as TransformerEngine FP8 GEMMs, each with its own delayed-
@@ -46,16 +47,19 @@ class Block(nnx.Module):
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     self.max_segments = cfg.max_segments  # bound on documents per packed row (attnlayers max_segments)
     self.kernels = cfg.kernels  # its LayerNorms' and bias + GELU's (models.kernels)
-    self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, rngs=rngs)
     recipe = FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None  # te-fp8: every GEMM but the head
     self.attn = MultiHeadAttention(
         cfg.n_head, cfg.d_model, num_kv_heads=cfg.n_kv_head, backend=cfg.backend, is_causal=cfg.causal,
-        decode=False, sliding_window=cfg.layer_window(layer), dtype=dt, param_dtype=pdt, kernel_init=init,
+        decode=False, sliding_window=cfg.layer_window(layer), dtype=dt, param_dtype=pdt, use_bias=cfg.bias,
+        kernel_init=init,
         out_kernel_init=proj_init, fp8_recipe=recipe, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, rngs=rngs)
     hidden = cfg.mlp_ratio * cfg.d_model
-    self.fc = nnx.Linear(cfg.d_model, hidden, dtype=dt, param_dtype=pdt, kernel_init=init, rngs=rngs)
-    self.proj = nnx.Linear(hidden, cfg.d_model, dtype=dt, param_dtype=pdt, kernel_init=proj_init, rngs=rngs)
+    self.fc = nnx.Linear(cfg.d_model, hidden, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, kernel_init=init,
+                         rngs=rngs)
+    self.proj = nnx.Linear(hidden, cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias,
+                           kernel_init=proj_init, rngs=rngs)
     if recipe is not None:  # the MLP's two GEMMs (two thirds of the block's matmul FLOPs) in FP8 too
       use_fp8_dense(self.fc, recipe)
       use_fp8_dense(self.proj, recipe)
@@ -71,8 +75,9 @@ class Block(nnx.Module):
     packed = {} if segment_ids is None or self.max_segments is None else {"max_segments": self.max_segments}
     a = drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids, **packed))
     x, h = residual_norm(self.ln2, x, a, kernel=self.kernels)
-    z = _unbiased(self.fc, h)  # (B, T, 4D); its bias is added in bias_gelu's pass
-    return x, drop(self.proj(bias_gelu(z, self.fc.bias[...].astype(z.dtype), kernel=self.kernels)))
+    z = _unbiased(self.fc, h)  # (B, T, 4D); its bias is added in bias_gelu's pass (none: a zero vector)
+    b = jnp.zeros(z.shape[-1:], z.dtype) if self.fc.bias is None else self.fc.bias[...].astype(z.dtype)  # (4D,)
+    return x, drop(self.proj(bias_gelu(z, b, kernel=self.kernels)))
 
 
 def _unbiased(linear: nnx.Linear, x: Float[Array, "B T D"]) -> Float[Array, "B T F"]:
@@ -94,7 +99,7 @@ class GPT(nnx.Module):
     self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init, rngs=rngs)
     self.drop = nnx.Dropout(cfg.dropout)
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layer)])
-    self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, rngs=rngs)
     self.head = None if cfg.tie_embeddings else nnx.Linear(
         cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=init, rngs=rngs)
 

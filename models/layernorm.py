@@ -27,12 +27,14 @@ from models import kernels, norm_fwd, norm_grad
 
 def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], y: Float[Array, "B T D"] | None = None, *,
                   kernel: str = "auto") -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
-  """(s, ln(s)) with s = x + y (x where y is None); differentiable in x, y and ln's scale and bias (reverse mode)."""
+  """(s, ln(s)) with s = x + y (x where y is None); differentiable in x, y and ln's scale and bias (reverse mode).
+  A LayerNorm without bias (use_bias=False) runs the same kernels with a zero bias, whose gradient is dropped."""
   if ln.reduction_axes not in (-1, (-1,)) or ln.feature_axes not in (-1, (-1,)) or ln.scale is None or \
-      ln.bias is None or not ln.use_fast_variance or ln.axis_name is not None:
-    raise ValueError("residual_norm takes a LayerNorm over the last axis with scale and bias, fast variance and no "
+      not ln.use_fast_variance or ln.axis_name is not None:
+    raise ValueError("residual_norm takes a LayerNorm over the last axis with a scale, fast variance and no "
                      "axis_name (the model's own); call the module itself for others")
-  dtype = ln.dtype or jnp.result_type(x, ln.scale[...], ln.bias[...])
+  bias = jnp.zeros_like(ln.scale[...]) if ln.bias is None else ln.bias[...]  # (D,)
+  dtype = ln.dtype or jnp.result_type(x, ln.scale[...], bias)
   if x.dtype != dtype:  # flax would compute in dtype; x handed back in it would change the residual stream's dtype
     raise ValueError(f"residual_norm hands the stream (x, or x + y) back in x's dtype, so x must already be in the "
                      f"LayerNorm's compute dtype {jnp.dtype(dtype).name}; got {x.dtype} (cast x first, or call the "
@@ -40,7 +42,7 @@ def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], y: Float[Array, "
   if y is not None and (y.shape != x.shape or y.dtype != x.dtype):
     raise ValueError(f"residual_norm adds y to x in x's dtype, so y must have x's shape and dtype {tuple(x.shape)} "
                      f"{x.dtype}; got {tuple(y.shape)} {y.dtype}")
-  scale, bias = (jnp.asarray(v, dtype) for v in (ln.scale[...], ln.bias[...]))  # as flax promotes them
+  scale, bias = (jnp.asarray(v, dtype) for v in (ln.scale[...], bias))  # as flax promotes them
   kernel, _ = kernels.resolve(kernel, x)
   return _residual_norm(x, y, scale, bias, float(ln.epsilon), kernel, y is None)
 

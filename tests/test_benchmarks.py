@@ -180,6 +180,15 @@ def test_train_benchmark_runs_packed_beside_unpacked_with_the_same_validation(tm
   assert "vs_unpacked" in (tmp_path / "train.md").read_text()
 
 
+def test_train_benchmark_runs_the_model_without_biases_beside_it(tmp_path):
+  run("benchmarks.train", "--preset", "tiny", "--backends", "xla", "--bias", "with", "without", "--steps", "4",
+      "--batch-size", "4", "--seq-len", "32", "--matmul-n", "256", "--out", str(tmp_path))
+  rows = {r["bias"]: r for r in json.load(open(tmp_path / "train.json"))["rows"]}
+  assert rows["with"]["status"] == rows["without"]["status"] == "ok", rows
+  assert rows["with"]["final_loss"] != rows["without"]["final_loss"]  # two models, not one run twice
+  assert "| xla | tiny |  | unpacked | without |" in (tmp_path / "train.md").read_text()
+
+
 
 def _decode_params_bytes(cfg) -> int:
   """Bytes of the parameters a decode step reads, counted from the model's structure: all but the position table."""

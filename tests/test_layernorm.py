@@ -92,6 +92,24 @@ def test_gradients_match_flax_autodiff(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+def test_layernorm_without_bias_is_flax_values_and_gradients(kernel):
+  """use_bias=False (GPTConfig.bias False): flax's LayerNorm without bias, values and gradients, float32; its
+  parameters are the scale alone."""
+  ln, (x, dres, dy) = nnx.LayerNorm(D, use_bias=False, rngs=nnx.Rngs(0)), _inputs(jnp.float32)
+  ln.scale[...] = 1 + 0.3 * jax.random.normal(jax.random.key(1), (D,))
+  graphdef, params = nnx.split(ln, nnx.Param)
+  def vjp(fn):
+    out, back = jax.vjp(lambda p, x: fn(nnx.merge(graphdef, p), x), params, x)
+    return out, back((dres, dy))
+  (s, y), (dparams, dx) = jax.jit(lambda: vjp(lambda m, x: residual_norm(m, x, kernel=kernel)))()
+  (_, y_flax), (dparams_flax, dx_flax) = jax.jit(lambda: vjp(lambda m, x: (x, m(x))))()
+  assert set(dparams) == {"scale"}
+  reference.assert_close(y, y_flax, jnp.float32, "out", "residual_norm vs nnx.LayerNorm(use_bias=False)")
+  reference.assert_close(dx, dx_flax, jnp.float32, "grad", "dx")
+  reference.assert_close(dparams["scale"][...], dparams_flax["scale"][...], jnp.float32, "grad", "dscale")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_added_branch_values_and_gradients(dtype, kernel):
   """residual_norm(ln, x, a): the stream x + a rounded to the dtype, its LayerNorm, and dres + LayerNorm'(dy)
@@ -154,8 +172,8 @@ def test_interpret_runs_the_pallas_kernel():
 
 def test_other_layernorms_and_shapes_are_refused():
   x = _inputs(jnp.float32)[0]
-  with pytest.raises(ValueError, match="residual_norm takes a LayerNorm over the last axis with scale and bias"):
-    residual_norm(nnx.LayerNorm(D, use_bias=False, rngs=nnx.Rngs(0)), x)
+  with pytest.raises(ValueError, match="residual_norm takes a LayerNorm over the last axis with a scale"):
+    residual_norm(nnx.LayerNorm(D, use_scale=False, rngs=nnx.Rngs(0)), x)
   with pytest.raises(ValueError, match=re.escape("x must already be in the LayerNorm's compute dtype bfloat16; got "
                                                  "float32")):
     residual_norm(_ln(jnp.bfloat16), x)

@@ -199,9 +199,11 @@ def _one_line(what: str, call):
     raise CheckpointError(f"cannot {what}: {type(e).__name__}: {first}") from None
 
 
-# What a checkpoint written before a meta key existed meant by its absence: it trained unpacked, and its
-# learning rate warmed up from 0 and decayed to lr / 10 a step after its last (train.optim.LR_SCHEDULE since).
+# What a checkpoint written before a meta key existed meant by its absence: it trained unpacked, its model had
+# biases, and its learning rate warmed up from 0 and decayed to lr / 10 a step after its last (train.optim.LR_SCHEDULE
+# since).
 ABSENT_META = {"pack": False}
+ABSENT_MODEL = {"bias": True}
 ABSENT_RUN = {"lr_schedule": "warm-up lr * s / warmup, cosine to lr / 10 after the last step"}
 
 
@@ -218,7 +220,7 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
     a, b = saved.get(key, ABSENT_META.get(key)), expected.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
       for k in sorted(set(a) | set(b)):
-        was = a.get(k, ABSENT_RUN.get(k)) if key == "run" else a.get(k)
+        was = a.get(k, {"run": ABSENT_RUN, "model": ABSENT_MODEL}.get(key, {}).get(k))
         if was == b.get(k):
           continue
         if key == "run" and k in allow_change:

@@ -97,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
   p.add_argument("--vocab-size", type=one, help="token ids the model covers; default: the preset's")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype; default: the preset's")
+  p.add_argument("--bias", action=argparse.BooleanOptionalAction,
+                 help="biases in the Linears and LayerNorms (GPT-2's); --no-bias: none, as nanoGPT's train.py "
+                      "(bias=False); default: the preset's (every preset has them)")
   p.add_argument("--window", type=one, metavar="N",
                  help="sliding window of N tokens: each query attends itself and the N - 1 tokens before it "
                       "(N >= the context length is plain causal attention); default: none, every earlier token")
@@ -200,7 +203,7 @@ def main(argv=None) -> None:
   a = parser().parse_args(argv)
   try:
     model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
-                          n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype,
+                          n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype, bias=a.bias,
                           fp8_core=a.fp8_core, window=a.window, window_pattern=a.window_pattern,
                           kernels=a.kernels)
     cfg = loop.TrainConfig(
