@@ -136,8 +136,11 @@ INCLUDED = [  # reports kept as their benchmark wrote them: (path under the resu
     ("gpt-1b/fp8_train_cudnn_rerun.md", "gpt-1b, 300 steps: the cudnn run again (`python -m train`)"),
     ("gpt2-small/train.md", "gpt2-small: the bf16 step and whole-model FP8 (`benchmarks.train --backends cudnn te te-fp8`)"),
     ("gpt2-small/steps300/train.md", "gpt2-small over 300 steps (`benchmarks.train --backends cudnn te-fp8 --steps 300`)"),
+    ("gpt2-small/bias/train.md", "gpt2-small with and without biases (`benchmarks.train --backends cudnn te te-fp8 --bias with without`)"),
+    ("gpt2-small/bias-steps300/train.md", "gpt2-small with and without biases over 300 steps (`benchmarks.train --backends cudnn --bias with without --steps 300`)"),
     ("gpt2-small/repeat/train.md", "gpt2-small: four cudnn runs in a row (`benchmarks.train --backends cudnn cudnn cudnn cudnn`)"),
     ("gpt2-medium/train.md", "gpt2-medium (`benchmarks.train --preset gpt2-medium --backends cudnn te te-fp8`)"),
+    ("gpt2-medium/bias/train.md", "gpt2-medium with and without biases (`benchmarks.train --preset gpt2-medium --backends cudnn --bias with without`)"),
     ("gpt2-small/step.md", "gpt2-small: one step by parts (`benchmarks.step --attn cudnn`)"),
     ("gpt2-small/trace.md", "gpt2-small: one step's GPU kernels (`train --profile-dir`, `benchmarks.trace`)"),
 ]

@@ -1,5 +1,6 @@
 """On an NVIDIA GPU: residual_norm on models.norm_fwd's and models.norm_grad's compiled Pallas kernels against the
-float64 formula at the presets' widths, proof that they ran, and a float32 GPT's loss and gradients on both kernels."""
+float64 formula at the presets' widths, proof that they ran, and a float32 GPT's loss and gradients on both kernels,
+with and without biases."""
 
 import re
 
@@ -62,5 +63,6 @@ def test_auto_is_pallas_and_the_kernel_ran():
   assert not TRITON.search(hlo("xla"))
 
 
-def test_float32_model_on_both_kernels():
-  test_model_loss_and_gradients_on_both_kernels(("xla", "pallas"), backend="xla")
+@pytest.mark.parametrize("bias", [True, False])
+def test_float32_model_on_both_kernels(bias):
+  test_model_loss_and_gradients_on_both_kernels(("xla", "pallas"), backend="xla", bias=bias)
