@@ -35,7 +35,8 @@ PACK_NOTE = ("`packing`: unpacked windows of one text, or packed documents (trai
              "a ratio is always against a row with the same biases.")
 CLOCK_COLS = ("sm_mhz", "power_w", "power_capped_share", "busy_samples")  # per run, from benchmarks.clocks
 FP8_CORE = "fp8-or-bf16"  # te-fp8 rows: FP8 core where the model's head dim qualifies, else bf16
-COLUMN_NOTE = ("`vs_cudnn`: tokens_per_s over the cudnn run's of the same preset, shape and packing (same process). "
+COLUMN_NOTE = ("`vs_cudnn`: tokens_per_s over the cudnn run's of the same preset, shape, packing and biases (same "
+               "process). "
                "`mfu`: nanoGPT/PaLM model FLOPs (6N + 12·L·n_head·head_dim·T per token, full attention square "
                "even for causal) over the datasheet dense bf16 peak. `vs_matmul`: the same model FLOP/s over a "
                "bf16 matmul of size `matmul_n`³ timed by this benchmark's parent process after the runs (20 calls, "
@@ -177,8 +178,10 @@ def write(out: str, env: dict, rows: list[dict]) -> None:
   report.write_csv(os.path.join(out, "train.csv"), rows)
   plots = []
   presets = ", ".join(dict.fromkeys(r["preset"] for r in rows))
+  biases = len({r.get("bias", "with") for r in rows}) > 1  # label the bars with them where rows differ in them
   for seq_len in dict.fromkeys(r["seq_len"] for r in rows):
-    sel = [r | {"dtype": f"T{seq_len} {r['packing']}"} for r in rows if r["seq_len"] == seq_len]
+    sel = [r | {"dtype": f"T{seq_len} {r['packing']}" + (f"\n{r.get('bias', 'with')} biases" if biases else "")}
+           for r in rows if r["seq_len"] == seq_len]
     name = f"train_T{seq_len}_tokens_per_s.png"
     report.bar_plot(os.path.join(out, name), sel, y="tokens_per_s", title=f"{presets}, T={seq_len}: tokens/s")
     plots.append(name)

@@ -24,12 +24,14 @@ from tests import reference
 D = 32  # model width
 
 
-def tiny(backend: str) -> models.GPTConfig:
-  return models.preset("tiny", backend=backend, n_layer=2, dtype="bfloat16")
+def tiny(backend: str, **overrides) -> models.GPTConfig:
+  return models.preset("tiny", backend=backend, n_layer=2, dtype="bfloat16", **overrides)
 
 
-def test_te_fp8_gpt_keeps_the_parameter_tree_and_adds_fp8_state_to_every_block_gemm():
-  fp8_model, plain = models.GPT(tiny("te-fp8"), rngs=nnx.Rngs(0)), models.GPT(tiny("cudnn"), rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("bias", [True, False])
+def test_te_fp8_gpt_keeps_the_parameter_tree_and_adds_fp8_state_to_every_block_gemm(bias):
+  fp8_model = models.GPT(tiny("te-fp8", bias=bias), rngs=nnx.Rngs(0))
+  plain = models.GPT(tiny("cudnn", bias=bias), rngs=nnx.Rngs(0))
   jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(fp8_model, nnx.Param)),
                nnx.to_pure_dict(nnx.state(plain, nnx.Param)))  # same names, shapes and values
   meta = nnx.to_pure_dict(nnx.state(fp8_model, FP8Meta))

@@ -83,6 +83,16 @@ def assert_logits_close(got, want):
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_cached_greedy_without_biases_equals_recomputation():
+  """GPTConfig.bias False (python -m train --no-bias): the cache path has no biases to add either."""
+  m = model(config("xla", 2, bias=False))
+  assert not [p for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(m, nnx.Param)) if "bias" in str(p)]
+  logits = forward(m)
+  want = [greedy_by_recomputation(logits, prompt, NEW) for prompt in PROMPTS]
+  assert len({t for row in want for t in row}) >= 4, f"degenerate test: greedy repeats a few tokens: {want}"
+  assert [t.tolist() for t in generate(m, PROMPTS, max_new_tokens=NEW, sampling=GREEDY).tokens] == want
+
+
 @pytest.mark.parametrize("backend", ["naive", "xla"])
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
 def test_cached_greedy_equals_recomputation(backend, n_kv_head):

@@ -53,17 +53,32 @@ def test_bias_must_be_a_bool():
     models.preset("tiny", bias="no")
 
 
-def test_no_bias_trains_resumes_only_as_itself_and_samples(tmp_path):
+def test_no_bias_trains_resumes_only_as_itself_and_restores(tmp_path):
   ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "2"]
   rc, out, err = train_cli(*SMALL, "--steps", "2", "--no-bias", *ckpt)
   assert rc == 0 and "bias=False" in out, err
   rc, _, err = train_cli(*SMALL, "--steps", "4", "--allow-change", "steps", *ckpt)  # the preset's biases
-  assert rc == 2 and "model.bias: checkpoint False, now True" in err, err
+  assert rc == 2 and "model.bias: checkpoint False, now True (python -m train sets it with --bias / --no-bias)" in err, err
   rc, out, err = train_cli(*SMALL, "--steps", "4", "--allow-change", "steps", "--no-bias", *ckpt)
   assert rc == 0 and "at step 2" in out, err
   restored = sample_cli.restore(str(tmp_path / "c"), "xla")
   assert restored.step == 4 and restored.model.cfg.bias is False
   assert not [k for k in _paths(nnx.to_pure_dict(nnx.state(restored.model, nnx.Param))) if "bias" in k]
+
+
+def test_sample_rebuilds_a_checkpoint_from_before_the_bias_setting_with_biases(tmp_path, monkeypatch):
+  """A checkpoint whose architecture has no "bias" (written before it existed) is restored as a biased model."""
+  assert train_cli(*SMALL, "--steps", "2", "--ckpt-dir", str(tmp_path / "c"))[0] == 0
+  read = sample_cli._read_only
+
+  def without_bias(directory, step, **items):  # the checkpoint's meta as an older trainer wrote it
+    out = read(directory, step, **items)
+    if "meta" in out:
+      out["meta"]["model"].pop("bias")
+    return out
+  monkeypatch.setattr(sample_cli, "_read_only", without_bias)
+  restored = sample_cli.restore(str(tmp_path / "c"), "xla")
+  assert restored.model.cfg.bias is True and restored.model.blocks[0].fc.bias is not None
 
 
 def test_a_checkpoint_from_before_the_bias_setting_had_biases(tmp_path):

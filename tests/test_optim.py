@@ -13,18 +13,35 @@ from train import optim
 
 
 def _grads(scale: float) -> dict:
-  """A tree with shapes repeated across 'blocks' (as a GPT's parameters) and ones that occur once."""
-  keys = iter(jax.random.split(jax.random.key(0), 16))
-  block = lambda: {"w": jax.random.normal(next(keys), (8, 12)), "b": jax.random.normal(next(keys), (12,))}
+  """A tree with shapes repeated across 'blocks' (as a GPT's parameters) and ones that occur once, named as the
+  model's: kernels, biases (one of them 2-D, as the attention's q/k/v biases), an embedding and a scale."""
+  keys = iter(jax.random.split(jax.random.key(0), 24))
+  block = lambda: {"fc": {"kernel": jax.random.normal(next(keys), (8, 12)), "bias": jax.random.normal(next(keys), (12,))},
+                   "query": {"kernel": jax.random.normal(next(keys), (8, 4, 3)),
+                             "bias": jax.random.normal(next(keys), (4, 3))}}
   return jax.tree.map(lambda x: x * scale, {"blocks": [block() for _ in range(3)],
-                                            "wte": jax.random.normal(next(keys), (20, 8)),
-                                            "scalar": jax.random.normal(next(keys), ())})
+                                            "wte": {"embedding": jax.random.normal(next(keys), (20, 8))},
+                                            "ln": {"scale": jax.random.normal(next(keys), ())}})
 
 
 def _optax_adamw():
-  """What optim.adamw(1e-2, 10, 2) was before it had its own clip: optax's chain."""
+  """What optim.adamw(1e-2, 10, 2) is written from: optax's clip and AdamW, decay on kernels and embeddings."""
+  mask = lambda ps: jax.tree_util.tree_map_with_path(lambda path, p: path[-1].key in ("kernel", "embedding"), ps)
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(optim.schedule(1e-2, 10, 2), b1=0.9, b2=0.95,
-                     weight_decay=0.1, mask=lambda ps: jax.tree.map(lambda p: p.ndim >= 2, ps)))
+                     weight_decay=0.1, mask=mask))
+
+
+def test_weight_decay_applies_to_the_model_s_kernels_and_embeddings_only():
+  """On a GPT's parameters (an nnx.State): every kernel and embedding decays; no bias (the (heads, head_dim) q/k/v
+  biases included, which nanoGPT's 2-D rule would decay) and no LayerNorm scale."""
+  import models
+  from flax import nnx
+  params = nnx.state(models.GPT(models.preset("tiny"), rngs=nnx.Rngs(0)), nnx.Param)
+  flags = {jax.tree_util.keystr(p): (f, x.ndim) for (p, f), x in zip(
+      jax.tree_util.tree_leaves_with_path(optim.decays(params)), jax.tree.leaves(params))}
+  decayed = {k for k, (f, _) in flags.items() if f}
+  assert decayed == {k for k in flags if "'kernel'" in k or "'embedding'" in k}
+  assert any(ndim == 2 and "'bias'" in k for k, (f, ndim) in flags.items())  # such biases exist, and are not decayed
 
 
 def test_global_norm_is_optax_tree_norm():

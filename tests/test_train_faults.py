@@ -388,6 +388,19 @@ def test_a_checkpoint_from_before_the_lr_schedule_was_recorded_resumes_only_wher
   assert cli.parser().parse_args(["--allow-change", "lr-schedule"]).allow_change == ["lr_schedule"]
 
 
+def test_a_checkpoint_from_before_the_decay_rule_was_recorded_resumes_only_where_allowed(tmp_path):
+  """A run saved before weight decay skipped the (heads, head_dim) q/k/v biases decayed them: resuming it on the
+  new rule needs --allow-change decay_rule."""
+  now = {"model": {"n_layer": 2}, "seed": 0, "data": "python-stdlib", "pack": False,
+         "run": {"lr": 1.0, "decay_rule": optim.DECAY_RULE}}
+  old = now | {"run": {"lr": 1.0}}  # no decay_rule key
+  with pytest.raises(checkpoint.ResumeMismatchError, match="run.decay_rule: checkpoint 'every parameter of 2 or more "
+                     r"dimensions \(the q/k/v biases too\)', .* \(accept with --allow-change decay_rule\)"):
+    checkpoint.check_meta(str(tmp_path), 5, old, now)
+  assert list(checkpoint.check_meta(str(tmp_path), 5, old, now, ("decay_rule",))) == ["decay_rule"]
+  assert cli.parser().parse_args(["--allow-change", "decay-rule"]).allow_change == ["decay_rule"]
+
+
 def test_steps_below_the_checkpoint_are_refused_and_nothing_is_written(ckpt, tmp_path, capsys):
   before = sorted(os.listdir(ckpt))
   with pytest.raises(SystemExit) as e:

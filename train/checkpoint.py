@@ -200,11 +200,18 @@ def _one_line(what: str, call):
 
 
 # What a checkpoint written before a meta key existed meant by its absence: it trained unpacked, its model had
-# biases, and its learning rate warmed up from 0 and decayed to lr / 10 a step after its last (train.optim.LR_SCHEDULE
-# since).
+# biases, its learning rate warmed up from 0 and decayed to lr / 10 a step after its last (train.optim.LR_SCHEDULE
+# since), and its weight decay applied to every parameter of 2 or more dimensions (train.optim.DECAY_RULE since).
 ABSENT_META = {"pack": False}
 ABSENT_MODEL = {"bias": True}
-ABSENT_RUN = {"lr_schedule": "warm-up lr * s / warmup, cosine to lr / 10 after the last step"}
+ABSENT_RUN = {"lr_schedule": "warm-up lr * s / warmup, cosine to lr / 10 after the last step",
+              "decay_rule": "every parameter of 2 or more dimensions (the q/k/v biases too)"}
+
+
+# The trainer's flags that set an architecture field, named where a resume finds it changed.
+MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_kv_head": "--kv-heads", "d_model": "--d-model",
+               "seq_len": "--seq-len", "vocab_size": "--vocab-size", "window": "--window",
+               "window_pattern": "--window-pattern", "bias": "--bias / --no-bias"}
 
 
 def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_change=()) -> dict:
@@ -226,7 +233,8 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
         if key == "run" and k in allow_change:
           accepted[k] = {"from": was, "to": b.get(k)}
         else:
-          hint = f" (accept with --allow-change {k})" if key == "run" else ""
+          hint = (f" (accept with --allow-change {k})" if key == "run" else
+                  f" (python -m train sets it with {MODEL_FLAGS[k]})" if key == "model" and k in MODEL_FLAGS else "")
           diffs.append(f"{key}.{k}: checkpoint {was!r}, now {b.get(k)!r}{hint}")
     elif a != b:
       diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")

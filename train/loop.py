@@ -38,7 +38,7 @@ from train import checkpoint, data, metrics, optim, sample, signals, stepdirs
 PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
 # The settings that, with the model's architecture, seed and data, decide every step's numbers:
 # a resume must keep them unless TrainConfig.allow_change names them.
-TRAJECTORY = ("steps", "batch_size", "lr", "warmup", "lr_schedule", "weight_decay", "clip", "dtype")
+TRAJECTORY = ("steps", "batch_size", "lr", "warmup", "lr_schedule", "weight_decay", "decay_rule", "clip", "dtype")
 SAMPLE_TEMPERATURE = 0.8  # of the end-of-run sample
 # XLA options the step and evaluation compile with (GPU options; other platforms ignore them).
 # cuBLASLt on (XLA's default where jax does not turn it off): it is what takes a bias epilogue.
@@ -100,8 +100,8 @@ class TrainConfig:
 
   def trajectory(self) -> dict:
     """The TRAJECTORY settings' values, which a checkpoint records (checkpoint.check_meta)."""
-    return ({f: getattr(self, f) for f in TRAJECTORY if f not in ("dtype", "lr_schedule")}
-            | {"dtype": self.model.dtype, "lr_schedule": optim.LR_SCHEDULE})
+    return ({f: getattr(self, f) for f in TRAJECTORY if f not in ("dtype", "lr_schedule", "decay_rule")}
+            | {"dtype": self.model.dtype, "lr_schedule": optim.LR_SCHEDULE, "decay_rule": optim.DECAY_RULE})
 
 
 def _loss(graphdef, params, fp8, batch: dict, dropout_key):

@@ -1,4 +1,4 @@
-"""AdamW with linear warm-up, cosine decay, global-norm clipping, weight decay on matrices only."""
+"""AdamW with linear warm-up, cosine decay, global-norm clipping, weight decay on kernels and embeddings only."""
 
 from __future__ import annotations
 
@@ -12,6 +12,19 @@ import optax
 # The schedule's rule, recorded in checkpoints (a resume on another rule would not continue the run). Runs
 # before it was recorded warmed up from 0 and ended their cosine a step after their last (checkpoint.ABSENT_RUN).
 LR_SCHEDULE = "warm-up lr * (s + 1) / (warmup + 1), cosine to lr / 10 at the last step"
+# Which parameters weight decay applies to, recorded in checkpoints too. Runs before it was recorded decayed every
+# parameter of 2 or more dimensions, the attention's (heads, head_dim) q/k/v biases among them (checkpoint.ABSENT_RUN).
+DECAY_RULE = "kernels and embeddings (the weights that multiply activations); no biases or LayerNorm scales"
+DECAYED = ("kernel", "embedding")  # the parameter names DECAY_RULE decays
+
+
+def decays(params):
+  """A tree of bools like `params` (the model's parameters, an nnx.State or a nested dict): True where weight decay
+  applies (DECAY_RULE), by each parameter's name. nanoGPT decays every parameter of 2 or more dimensions, which in
+  its model are the same ones; here the q/k/v biases are (heads, head_dim) arrays, and not decayed."""
+  def name(path):  # the parameter's name: the last dict key of its path (nnx.State adds a .value attribute after it)
+    return next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+  return jax.tree_util.tree_map_with_path(lambda path, p: name(path) in DECAYED, params)
 
 
 def schedule(lr: float, steps: int, warmup: int) -> optax.Schedule:
@@ -68,8 +81,7 @@ def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip
   against 60.06 ms: 6 rounds of the gpt2-small cudnn step (B=32, T=1024) alternated in one process on
   the H200, though timed alone (its own jit, every array passed each call) it took 3.130 ms against
   6.262 ms. The step does not pay for the parameters' per-leaf updates the way a lone call does."""
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on biases, norms
   return optax.chain(
       clip_by_global_norm(clip),
-      optax.adamw(schedule(lr, steps, warmup), b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask),
+      optax.adamw(schedule(lr, steps, warmup), b1=b1, b2=b2, weight_decay=weight_decay, mask=decays),
   )

@@ -23,7 +23,7 @@ import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
 from models.generate import Sampling, generate
-from train import cli, sample, stepdirs
+from train import checkpoint, cli, sample, stepdirs
 
 DEFAULT_TOKENS = 200  # new tokens when --tokens is not given (fewer where the context has less room)
 
@@ -77,7 +77,7 @@ def restore(directory: str, backend: str, step: int | None = None) -> Restored:
   """The model of `directory`'s newest intact step (or `step`), built with attention `backend`."""
   step = newest_intact(directory) if step is None else step
   meta = _read_only(directory, step, meta=ocp.args.JsonRestore())["meta"]
-  arch = dict(meta["model"])
+  arch = checkpoint.ABSENT_MODEL | dict(meta["model"])  # a field the checkpoint predates: what its absence meant
   cfg = models.GPTConfig(**arch, dtype=meta["run"]["dtype"], backend=backend,
                          # decode steps (one query) never qualify for te-fp8's FP8 core; its projections stay FP8
                          fp8_core="fp8-or-bf16" if backend == "te-fp8" else "fp8")
