@@ -14,7 +14,7 @@ import optax
 LR_SCHEDULE = "warm-up lr * (s + 1) / (warmup + 1), cosine to lr / 10 at the last step"
 # Which parameters weight decay applies to, recorded in checkpoints too. Runs before it was recorded decayed every
 # parameter of 2 or more dimensions, the attention's (heads, head_dim) q/k/v biases among them (checkpoint.ABSENT_RUN).
-DECAY_RULE = "kernels and embeddings (the weights that multiply activations); no biases or LayerNorm scales"
+DECAY_RULE = "kernels and embeddings (the token and position tables); no biases or LayerNorm scales"
 DECAYED = ("kernel", "embedding")  # the parameter names DECAY_RULE decays
 
 
