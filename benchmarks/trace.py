@@ -14,6 +14,9 @@ carries no op name. XLA launches most of a step's kernels from CUDA graphs (its 
 buffers, on by default), and those events come without one, so a trace of the trainer's step is
 mostly "unnamed"; the families above are unaffected. XLA's own flag names them, at the cost of
 running the step without CUDA graphs: XLA_FLAGS=--xla_gpu_enable_command_buffer= for the traced run.
+Such a trace also names each kernel's XLA instruction (hlo_op), and the time is split by its kind
+(input_reduce_fusion, loop_add_fusion, pallas_call, dot_product_attention_bwd, ...) and part; an
+optimized-HLO dump of the same run (--xla_dump_to) says what each instruction computes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ FAMILIES = [  # first match wins
 ]
 PARTS = [("backward", re.compile(r"transpose\(")), ("forward", re.compile(r"jvp\(")), ("rest", re.compile(r".")),
          ("unnamed", re.compile(r""))]
+
+
+UNNAMED_OP = "(no XLA op named)"
 
 
 def family(kernel: str) -> str:
@@ -92,12 +98,26 @@ def summarize(events: list[dict]) -> dict:
     by_family[f] += e["dur"]
     by_part[p, f] += e["dur"]
     counts[f] += 1
+  by_op, op_counts = collections.Counter(), collections.Counter()
+  for e in kernels:
+    key = op_kind(e), part(str(e.get("args", {}).get("name", "")))
+    by_op[key] += e["dur"]
+    op_counts[key] += 1
   return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "kernel_ms": sum(by_name.values()) / 1e3,
           "families_ms": {k: v / 1e3 for k, v in by_family.most_common()},
           "kernels": dict(counts),
           "parts_ms": {p: {f: by_part[p, f] / 1e3 for f, _ in by_family.most_common() if by_part[p, f]}
                        for p, _ in PARTS},
-          "top_kernels_ms": {k: v / 1e3 for k, v in by_name.most_common(15)}}
+          "top_kernels_ms": {k: v / 1e3 for k, v in by_name.most_common(15)},
+          "top_ops_ms": {k: v / 1e3 for k, v in by_op.most_common(15)},
+          "op_kernels": {k: op_counts[k] for k, _ in by_op.most_common(15)}}
+
+
+def op_kind(event: dict) -> str:
+  """The kind of XLA instruction a kernel ran for: its trace event's hlo_op without the instruction's number
+  ("input_reduce_fusion.19" -> "input_reduce_fusion"), or UNNAMED_OP where the event names none (CUDA graphs)."""
+  op = str(event.get("args", {}).get("hlo_op", ""))
+  return re.sub(r"(\.\d+)?(#\d+)?$", "", op) or UNNAMED_OP
 
 
 def main(argv=None) -> None:
@@ -116,6 +136,9 @@ def main(argv=None) -> None:
     if not fams:
       continue
     print(f"  {p:<9} {sum(fams.values()) / n:8.2f}  " + ", ".join(f"{f} {v / n:.2f}" for f, v in fams.items()))
+  print("by kind of XLA op and part of the step (ms/step, kernels/step):")
+  for (op, p), v in s["top_ops_ms"].items():
+    print(f"  {v / n:8.2f}  {s['op_kernels'][op, p] / n:7.1f}  {op} ({p})")
   print("longest kernels (ms/step):")
   for k, v in s["top_kernels_ms"].items():
     print(f"  {v / n:8.2f}  {k[:110]}")

@@ -11,15 +11,19 @@ from benchmarks import trace
 def _events():
   meta = [{"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
           {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
-  k = lambda name, ts, dur, op, pid=7: {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": dur, "args": {"name": op}}
+  k = lambda name, ts, dur, op, pid=7, hlo=None: {"ph": "X", "pid": pid, "name": name, "ts": ts, "dur": dur,
+                                                  "args": {"name": op} | ({"hlo_op": hlo} if hlo else {})}
   return meta + [
-      k("nvjet_sm90_tst_128x128_bias_NNT", 0, 10, "jit(train_step)/jvp()/dot_general"),
-      k("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 10, 5, "jit(train_step)/jvp()/dot_product_attention"),
-      k("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 15, 12, "jit(train_step)/transpose(jvp())/dpa"),
-      k("nvjet_sm90_tst_192x192_splitK_NTN", 27, 20, "jit(train_step)/transpose(jvp())/dot_general"),
-      k("loop_add_fusion", 50, 3, "jit(train_step)"),  # the optimizer: no jvp, no transpose
-      k("Memset 3", 53, 1, "jit(train_step)/transpose(jvp())/dpa"),
-      k("_kernel__2", 54, 6, "jit(train_step)/jvp()/while/body/pallas_call"),
+      k("nvjet_sm90_tst_128x128_bias_NNT", 0, 10, "jit(train_step)/jvp()/dot_general", hlo="cublas-lt-matmul.91"),
+      k("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 10, 5, "jit(train_step)/jvp()/dot_product_attention",
+        hlo="dot_product_attention_fwd.60"),
+      k("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 15, 12, "jit(train_step)/transpose(jvp())/dpa",
+        hlo="dot_product_attention_bwd.120"),
+      k("nvjet_sm90_tst_192x192_splitK_NTN", 27, 20, "jit(train_step)/transpose(jvp())/dot_general",
+        hlo="custom-call.401"),
+      k("loop_add_fusion", 50, 3, "jit(train_step)", hlo="loop_add_fusion.7"),  # the optimizer: no jvp, no transpose
+      k("Memset 3", 53, 1, "jit(train_step)/transpose(jvp())/dpa", hlo="dot_product_attention_bwd.120"),
+      k("_kernel__2", 54, 6, "jit(train_step)/jvp()/while/body/pallas_call", hlo="pallas_call.139"),
       {"ph": "X", "pid": 7, "name": "input_reduce_fusion", "ts": 60, "dur": 2, "args": {}},  # from a CUDA graph: no op name
       k("host_thing", 0, 1000, "jit(train_step)/jvp()", pid=1),  # not on the GPU: left out
   ]
@@ -39,6 +43,19 @@ def test_summarize_splits_time_by_family_and_part():
                                              "copies/memset": 0.001})
   assert parts["rest"] == pytest.approx({"other (XLA fusions, Pallas)": 0.003})
   assert parts["unnamed"] == pytest.approx({"other (XLA fusions, Pallas)": 0.002})
+  assert s["top_ops_ms"] == pytest.approx({  # by kind of XLA instruction and part, longest first
+      ("custom-call", "backward"): 0.020, ("dot_product_attention_bwd", "backward"): 0.013,
+      ("cublas-lt-matmul", "forward"): 0.010, ("pallas_call", "forward"): 0.006,
+      ("dot_product_attention_fwd", "forward"): 0.005, ("loop_add_fusion", "rest"): 0.003,
+      (trace.UNNAMED_OP, "unnamed"): 0.002})
+  assert s["op_kernels"][("dot_product_attention_bwd", "backward")] == 2  # the bprop and its memset
+
+
+@pytest.mark.parametrize("hlo_op, want", [("input_reduce_fusion.19", "input_reduce_fusion"),
+                                          ("dynamic_slice_fusion#0", "dynamic_slice_fusion"),
+                                          ("custom-call.4", "custom-call"), ("copy", "copy"), ("", trace.UNNAMED_OP)])
+def test_op_kind_drops_the_instruction_number(hlo_op, want):
+  assert trace.op_kind({"args": {"hlo_op": hlo_op}}) == want
 
 
 @pytest.mark.parametrize("op, want", [("jit(f)/transpose(jvp(jit(_take)))/scatter-add", "backward"),
@@ -56,6 +73,7 @@ def test_main_prints_per_step_figures(tmp_path, capsys):
   assert "GPU span 0.03 ms/step" in out and "by part of the step" in out and "unnamed" in out
   assert "backward      0.02" in out  # 0.033 ms over 2 steps
   assert "kernels/step" in out
+  assert "0.01      0.5  custom-call (backward)" in out  # 0.020 ms and 1 kernel over 2 steps
 
 
 def test_events_as_jax_profiler_writes_them():
