@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the published results on one NVIDIA GPU with TransformerEngine installed.
 # Run from the repository root: `bash benchmarks/h200.sh [OUT] [PART]`. OUT defaults to
-# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, packing, train, speed, decode, so
+# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, packing, train, speed, bias, decode, so
 # that each part fits in one 10-minute device command. `summary` (no GPU needed) then writes
 # benchmarks/RESULTS.md from OUT.
 set -euo pipefail
@@ -43,6 +43,14 @@ if [[ $PART == all || $PART == speed ]]; then
     --run-timeout 80 --out "$OUT/gpt-1b"
   python -m benchmarks.fp8_train --preset gpt-1b --baseline cudnn --seq-len 2048 --batch-size 8 --steps 300 --lr 6e-4 \
     --out "$OUT/gpt-1b"
+fi
+if [[ $PART == all || $PART == bias ]]; then
+  # gpt2-small and gpt2-medium with GPT-2's biases and without (train --no-bias, nanoGPT's train.py default),
+  # side by side; about 210 s, 110 s and 100 s on the H200 (the alternated repeats in gpt2-small/bias-alternated*
+  # are the second line's 40-step form, --backends cudnn cudnn)
+  python -m benchmarks.train --backends cudnn te te-fp8 --bias with without --out "$OUT/gpt2-small/bias"
+  python -m benchmarks.train --backends cudnn --bias with without --steps 300 --out "$OUT/gpt2-small/bias-steps300"
+  python -m benchmarks.train --preset gpt2-medium --backends cudnn --bias with without --out "$OUT/gpt2-medium/bias"
 fi
 if [[ $PART == all || $PART == decode ]]; then
   # ~5 minutes: time to first token for every backend, then backend by backend (cudnn first) K 12/4/1 x
