@@ -206,6 +206,7 @@ ABSENT_META = {"pack": False}
 ABSENT_MODEL = {"bias": True}
 ABSENT_RUN = {"lr_schedule": "warm-up lr * s / warmup, cosine to lr / 10 after the last step",
               "decay_rule": "every parameter of 2 or more dimensions (the q/k/v biases too)"}
+ABSENT_FIELDS = {"model": ABSENT_MODEL, "run": ABSENT_RUN}  # by the meta key whose dict holds them
 
 
 # The trainer's flags that set an architecture field, named where a resume finds it changed.
@@ -227,7 +228,7 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
     a, b = saved.get(key, ABSENT_META.get(key)), expected.get(key)
     if isinstance(a, dict) and isinstance(b, dict):
       for k in sorted(set(a) | set(b)):
-        was = a.get(k, {"run": ABSENT_RUN, "model": ABSENT_MODEL}.get(key, {}).get(k))
+        was = a.get(k, ABSENT_FIELDS.get(key, {}).get(k))
         if was == b.get(k):
           continue
         if key == "run" and k in allow_change:

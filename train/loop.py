@@ -100,8 +100,8 @@ class TrainConfig:
 
   def trajectory(self) -> dict:
     """The TRAJECTORY settings' values, which a checkpoint records (checkpoint.check_meta)."""
-    return ({f: getattr(self, f) for f in TRAJECTORY if f not in ("dtype", "lr_schedule", "decay_rule")}
-            | {"dtype": self.model.dtype, "lr_schedule": optim.LR_SCHEDULE, "decay_rule": optim.DECAY_RULE})
+    rules = {"dtype": self.model.dtype, "lr_schedule": optim.LR_SCHEDULE, "decay_rule": optim.DECAY_RULE}
+    return {f: rules[f] if f in rules else getattr(self, f) for f in TRAJECTORY}
 
 
 def _loss(graphdef, params, fp8, batch: dict, dropout_key):
