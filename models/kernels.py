@@ -1,6 +1,7 @@
 """Which of the models' own GPU kernels a step runs: one rule for the loss's softmax gradient
-(models.softmax_grad), the residual add and LayerNorm (models.norm_fwd, models.norm_grad) and the MLP's
-bias + GELU (models.bias_gelu), all Pallas (Triton) kernels.
+(models.softmax_onepass; models.softmax_grad in float16), the residual add and LayerNorm
+(models.norm_fwd, models.norm_grad) and the MLP's bias + GELU (models.bias_gelu), all Pallas
+(Triton) kernels.
 
 A `kernel` argument names one of KERNELS: "xla" (XLA's fusions, any backend), "pallas" (the kernel,
 compiled; a CUDA GPU only), "interpret" (the same kernel through the Pallas interpreter, any backend,

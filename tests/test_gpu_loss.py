@@ -1,5 +1,6 @@
-"""On an NVIDIA GPU: the training loss's Pallas softmax-gradient kernel against the float64 oracle and
-XLA's fusions, at the test sizes and at gpt2-small's vocabulary, and proof that it ran."""
+"""On an NVIDIA GPU: the training loss's Pallas softmax-gradient kernels (models.softmax_onepass for bfloat16
+and float32, models.softmax_grad for float16) against the float64 oracle and XLA's fusions, at the test sizes
+and at gpt2-small's vocabulary, and proof that they ran."""
 
 import re
 
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import kernels, softmax_grad
+from models import kernels, softmax_grad, softmax_onepass
 from models.loss import head_cross_entropy
 from tests import reference
 from tests.test_loss import DTYPES, _inputs, _oracle
@@ -18,17 +19,18 @@ TRITON = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
 
 
 @pytest.mark.parametrize("chunk", [5, 64], ids=lambda c: f"chunk{c}")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [*DTYPES, "float16"], ids=str)
 def test_pallas_matches_oracle(dtype, chunk):
-  """V = 5003 (two reads of the kernel and a ragged end), chunks with and without padding."""
-  h, w, t = _inputs(DTYPES[dtype], v=5003)
+  """V = 5003 (several reads of the kernel and a ragged end), chunks with and without padding; float16 runs
+  models.softmax_grad, the others models.softmax_onepass."""
+  h, w, t = _inputs(DTYPES.get(dtype, jnp.float16), v=5003)
   N = t.size
   value_n, (dh, dw) = jax.jit(jax.value_and_grad(
       lambda h, w: N * head_cross_entropy(h, w, t, chunk=chunk, kernel="pallas"), (0, 1)))(h, w)
   ref, dh64, dw64 = _oracle(h, w, t)
-  reference.assert_close(value_n / N, ref, dtype, "out", "loss")
-  reference.assert_close(dh, N * dh64, dtype, "grad", "N * dh")
-  reference.assert_close(dw, N * dw64, dtype, "grad", "N * dw")
+  reference.assert_close(value_n / N, ref, h.dtype, "out", "loss")
+  reference.assert_close(dh, N * dh64, h.dtype, "grad", "N * dh")
+  reference.assert_close(dw, N * dw64, h.dtype, "grad", "N * dw")
 
 
 def test_auto_is_pallas_and_the_kernel_ran():
@@ -75,3 +77,26 @@ def test_gpt2_vocabulary_chunk_float32_output():
   reference.assert_close(g, ref_g, jnp.float32, "grad", "softmax - onehot")
   reference.assert_close(g.sum(-1), np.zeros(C), jnp.float32, "grad", "row sums")
   reference.assert_close(nll, -np.log(p64[np.arange(C), np.asarray(t)]), jnp.float32, "out", "-log p(target)")
+
+
+@pytest.mark.parametrize("out", ["bfloat16", "float32"])
+def test_onepass_gpt2_vocabulary_chunk_matches_float64(out):
+  """models.softmax_onepass compiled, on a (512, 50304) bfloat16 chunk spread like a trained model's, with
+  three rows whose max lies 50 above their first block (the second sweep) and three padding rows: g * r
+  against softmax - onehot, and the loss."""
+  C, V = 512, 50304
+  x = (jax.random.normal(jax.random.key(0), (C, V)) * 3).astype(jnp.bfloat16).at[:3, 30000].set(60.0)
+  t = jax.random.randint(jax.random.key(1), (C,), 0, V).at[0].set(30000)
+  real = (jnp.arange(C) < C - 3).astype(jnp.float32)
+  g, r, nll = jax.jit(lambda x, t, r: softmax_onepass.softmax_grad_scaled(x, t, r, jnp.dtype(out)))(x, t, real)
+  x64 = np.asarray(x, np.float64)
+  p64 = np.exp(x64 - x64.max(-1, keepdims=True))
+  p64 /= p64.sum(-1, keepdims=True)
+  ref_g = p64.copy()
+  ref_g[np.arange(C), np.asarray(t)] -= 1
+  ref_g *= np.asarray(real)[:, None]
+  assert g.dtype == jnp.dtype(out) and np.all(np.asarray(r[-3:]) == 0)
+  scaled = np.asarray(g, np.float32) * np.asarray(r)[:, None]
+  reference.assert_close(scaled, ref_g, jnp.dtype(out), "grad", "g * r = softmax - onehot")
+  reference.assert_close(nll, -np.log(p64[np.arange(C), np.asarray(t)]) * np.asarray(real), jnp.float32, "out",
+                         "-log p(target)")
