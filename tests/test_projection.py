@@ -100,3 +100,69 @@ def test_layer_keeps_flax_refusals():
     undecided = cls(num_heads=2, in_features=D, rngs=nnx.Rngs(0), **extra)  # decode neither built in nor passed
     with pytest.raises(ValueError, match="No `decode` argument was provided"):
       undecided(x)
+
+
+def _three(dtype, kv_heads=2, use_bias=True):
+  """q (N heads), k and v (kv_heads) projections of one D-wide input, as the layer builds them."""
+  make = lambda n, seed: nnx.LinearGeneral(D, (n, H), dtype=dtype, use_bias=use_bias,
+                                           bias_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(seed))
+  return make(N, 0), make(kv_heads, 1), make(kv_heads, 2)
+
+
+def _three_grads(fn, projs, x):
+  """d/d(every parameter, x) of sum_i sum(fn(projs, x)[i] * w_i), each w_i fixed and different."""
+  graphdef, params = nnx.split(projs)
+  def loss(params, x):
+    ys = fn(nnx.merge(graphdef, params), x)
+    return sum((y.astype(jnp.float32) * jax.random.normal(jax.random.key(11 + i), y.shape)).sum()
+               for i, y in enumerate(ys))
+  return jax.grad(loss, argnums=(0, 1))(params, x)
+
+
+@pytest.mark.parametrize("use_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_self_heads_values_and_gradients_match_three_heads(dtype, use_bias):
+  """self_heads (one input, its gradient summed as a chain of GEMMs) against heads() three times: the same
+  values and, within the dtype's tolerance (the sum's order differs), the same gradients; GQA-sized k and v."""
+  projs = _three(dtype, use_bias=use_bias)
+  x = jax.random.normal(jax.random.key(1), (2, 5, D)).astype(dtype)  # (B, T, D)
+  ours = projection.self_heads(projs, x)
+  theirs = tuple(projection.heads(p, x) for p in projs)
+  assert [y.shape for y in ours] == [(2, 5, N, H), (2, 5, 2, H), (2, 5, 2, H)]
+  for a, b in zip(ours, theirs):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))  # the same GEMMs
+  (dp_ours, dx_ours) = _three_grads(lambda ps, x: projection.self_heads(ps, x), projs, x)
+  (dp_theirs, dx_theirs) = _three_grads(lambda ps, x: tuple(projection.heads(p, x) for p in ps), projs, x)
+  reference.assert_close(dx_ours, dx_theirs, dtype, "grad", "d x")
+  for a, b in zip(jax.tree.leaves(dp_ours), jax.tree.leaves(dp_theirs)):
+    reference.assert_close(a, b, dtype, "grad", "d parameter")
+
+
+def test_self_heads_sums_the_input_gradient_as_a_chain():
+  """The backward adds each GEMM's result to the sum so far (GEMM first), the form XLA folds into the GEMM."""
+  projs, x = _three(jnp.bfloat16), jnp.ones((2, 5, D), jnp.bfloat16)
+  ct = tuple(jnp.ones(y.shape, y.dtype) for y in projection.self_heads(projs, x))
+  _, vjp = jax.vjp(lambda x: projection.self_heads(projs, x), x)
+  jaxpr = str(jax.make_jaxpr(vjp)(ct))
+  assert jaxpr.count("dot_general") >= 3 and jaxpr.count(" add ") >= 2, jaxpr
+
+
+def test_self_heads_hands_what_heads_would_not_cover_to_heads():
+  """A projection that is not Flax's plain LinearGeneral, or different precisions: one heads() call each."""
+  q, k, v = _three(jnp.float32)
+  k2 = nnx.LinearGeneral(D, (2, H), precision=jax.lax.Precision.HIGHEST, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(1), (3, D))
+  for projs in [(q, k2, v)]:
+    jaxpr = str(jax.make_jaxpr(lambda x: projection.self_heads(projs, x))(x))
+    assert "custom_vjp" not in jaxpr, jaxpr
+    for a, p in zip(projection.self_heads(projs, x), projs):
+      reference.assert_close(a, p(x), jnp.float32, "out")
+  assert "custom_vjp" in str(jax.make_jaxpr(lambda x: projection.self_heads((q, k, v), x))(x))
+
+
+def test_the_layer_runs_self_attention_through_self_heads_and_cross_attention_through_heads():
+  layer = MultiHeadAttention(num_heads=N, in_features=D, qkv_features=N * H, num_kv_heads=1, decode=False,
+                             backend="xla", rngs=nnx.Rngs(0))
+  x, y = jnp.ones((2, 5, D)), jnp.zeros((2, 4, D))
+  assert "custom_vjp" in str(jax.make_jaxpr(lambda x: layer(x))(x))
+  assert "custom_vjp" not in str(jax.make_jaxpr(lambda x, y: layer(x, y))(x, y))
