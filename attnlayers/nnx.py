@@ -174,8 +174,6 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       if qkv_sharding is not None:
         raise ValueError("backend='te-fp8' takes no qkv_sharding (its fused FP8 GEMM); shard the inputs instead")
       query, key, value = self._fused_qkv(inputs_q)
-    elif inputs_k is inputs_q and inputs_v is inputs_q:  # self-attention: one input's gradient, summed as a chain
-      query, key, value = projection.self_heads((self.query, self.key, self.value), inputs_q, qkv_sharding)
     else:
       query = projection.heads(self.query, inputs_q, qkv_sharding)  # (*batch, T, N, H)
       key = projection.heads(self.key, inputs_k, qkv_sharding)  # (*batch, S, K, H)

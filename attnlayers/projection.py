@@ -7,20 +7,9 @@ q, k and v. `heads` computes the same projection as x (.., D) @ kernel (D, N * H
 and then reshapes, from the same parameters. Compiled with the trainer's options
 (train.loop.STEP_COMPILER_OPTIONS) on a GPU, the bias then runs in the GEMM, added to its float32
 result before the rounding to the compute dtype.
-
-Self-attention projects one input three times, so the input's gradient is the sum of three
-GEMMs. Differentiated as three separate projections, jax sums them as (v's + k's) + q's, and
-XLA folds only the first add into a GEMM (cuBLAS's C operand, beta = 1); the second is a pass
-of its own over (*batch, T, D). `self_heads` computes the same q, k and v with a backward that
-writes the sum as a chain, each GEMM adding the sum so far (q's, then k's GEMM + it, then v's
-GEMM + that), which XLA runs as three GEMMs and no other pass. On the H200, for gpt2-small's
-(32768, 768) inputs, the three GEMMs and their sum took 0.3539 ms chained against 0.4411 ms
-as jax sums them (each timed alone, 50 calls).
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 from flax import nnx
@@ -66,48 +55,3 @@ def heads(linear: nnx.LinearGeneral, x: Float[Array, "*batch T D"], out_sharding
   y = dense(x, kernel.reshape(kernel.shape[0], -1), None if bias is None else bias.reshape(-1),
             precision=linear.precision)  # (*batch, T, D) @ (D, N * H) + (N * H,)
   return y.reshape(*y.shape[:-1], *linear.out_features)  # (*batch, T, N, H)
-
-
-def self_heads(projs: tuple[nnx.LinearGeneral, ...], x: Float[Array, "*batch T D"], out_sharding=None
-               ) -> tuple[Float[Array, "*batch T _ H"], ...]:
-  """tuple(heads(linear, x) for linear in projs): self-attention's q, k and v of one input x, the input's
-  gradient summed as a chain of GEMMs (module docstring). Projections `heads` would not compute itself,
-  or that promote x to different dtypes or take different precisions, run one by one through `heads`."""
-  if (out_sharding is not None or not all(plain(p) and not _sharded(p.kernel[...]) for p in projs)
-      or len({p.precision for p in projs}) > 1):
-    return tuple(heads(p, x, out_sharding) for p in projs)
-  promoted = [p.promote_dtype((x, p.kernel[...], None if p.bias is None else p.bias[...]), dtype=p.dtype)
-              for p in projs]  # each (x, kernel (D, n, H), bias (n, H) | None) in its compute dtype
-  if len({xp.dtype for xp, _, _ in promoted}) > 1:
-    return tuple(heads(p, x, out_sharding) for p in projs)
-  kernels = tuple(k.reshape(k.shape[0], -1) for _, k, _ in promoted)  # each (D, n * H)
-  ys = _chained(promoted[0][0], kernels, projs[0].precision)  # each (*batch, T, n * H)
-  out = []
-  for p, (_, _, b), y in zip(projs, promoted, ys):
-    y = y if b is None else y + b.reshape(-1)  # (*batch, T, n * H) + (n * H,): in the GEMM's epilogue
-    out.append(y.reshape(*y.shape[:-1], *p.out_features))  # (*batch, T, n, H)
-  return tuple(out)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _chained(x, kernels, precision):
-  """x (*batch, D) @ each kernel (D, F_i): a tuple of (*batch, F_i)."""
-  return tuple(dense(x, k, precision=precision) for k in kernels)
-
-
-def _chained_fwd(x, kernels, precision):
-  return _chained(x, kernels, precision), (x, kernels)
-
-
-def _chained_bwd(precision, residuals, cts):
-  x, kernels = residuals
-  lead = tuple(range(x.ndim - 1))  # the (*batch, T) axes, contracted for the kernels' gradients
-  dx, dks = None, []
-  for k, ct in zip(kernels, cts):  # ct (*batch, T, F)
-    part = jax.lax.dot_general(ct, k, (((ct.ndim - 1,), (1,)), ((), ())), precision=precision)  # (*batch, T, D)
-    dx = part if dx is None else part + dx  # the GEMM first: XLA folds the add into it
-    dks.append(jax.lax.dot_general(x, ct, ((lead, lead), ((), ())), precision=precision))  # (D, F)
-  return dx, tuple(dks)
-
-
-_chained.defvjp(_chained_fwd, _chained_bwd)
