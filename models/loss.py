@@ -55,7 +55,8 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   (models.kernels.resolve says what "auto", the default, picks): "xla" (XLA fusions, any backend),
   "pallas" (one GPU kernel for XLA's two fusions, faster: models.softmax_onepass, one read of the
   logits, where w is bfloat16 or float32; models.softmax_grad, two reads, for float16) or "interpret"
-  (that kernel through the Pallas interpreter, any backend, slow: for tests). Same float32 formula.
+  (that kernel through the Pallas interpreter, any backend, slow: for tests). The same float32 formula,
+  rounded differently: models.softmax_onepass's path never rounds the onehot.
   """
   if h.ndim != 3 or w.ndim != 2 or h.shape[-1] != w.shape[-1]:
     raise ValueError(f"h must be (B, T, D) and w (V, D) with the same D; got h {tuple(h.shape)}, w {tuple(w.shape)}")
@@ -141,17 +142,18 @@ def _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel):
 
 
 def _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel):
-  """One chunk's summed loss over real tokens, and d loss / d logits * N = softmax - onehot (C, V) as g * r:
-  g in w's dtype, r (C,) float32 or None (g is softmax - onehot itself); padding rows contribute 0."""
+  """One chunk's summed loss over real tokens, and d loss / d logits * N = softmax - onehot (C, V): as g, in
+  w's dtype, with r None; or (models.softmax_onepass) as g * r - onehot, g = exp(logits - c) in w's dtype and
+  r (C,) float32, the onehot left to the caller. Padding rows contribute 0."""
   if kernel == "xla":
     total_c, logits, top, denom = _chunk_loss(h_c, w, t_c, real_c, logits_dtype)
     g = jnp.exp(logits - top) * (1 / denom) - jax.nn.one_hot(t_c, w.shape[0], dtype=jnp.float32)  # (C, V)
     return total_c, jnp.where(real_c[:, None], g, 0.0).astype(w.dtype), None  # (C, V) padding passes no gradient
   logits = lax.dot_general(h_c, w, _CONTRACT_D, preferred_element_type=logits_dtype)  # (C, V)
   interpret = kernel == "interpret"
-  if jnp.dtype(w.dtype) in softmax_onepass.DTYPES:  # one read of the logits; the row scale r goes to the GEMMs
-    g, r, nll = softmax_onepass.softmax_grad_scaled(logits, t_c, real_c, w.dtype, interpret=interpret)
-    return jnp.sum(nll), g, r
+  if jnp.dtype(w.dtype) in softmax_onepass.DTYPES:  # one read of the logits; r and the onehot go to the GEMMs
+    e, r, nll = softmax_onepass.softmax_scaled(logits, t_c, real_c, w.dtype, interpret=interpret)
+    return jnp.sum(nll), e, r
   g, nll = softmax_grad.softmax_grad(logits, t_c, real_c, w.dtype, interpret=interpret)  # float16
   return jnp.sum(nll), g, None
 
@@ -170,8 +172,11 @@ def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype, kernel):
     h_c, t_c, real_c = xs  # (C, D), (C,), (C,)
     total_c, g, r = _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel)  # (), (C, V), (C,) | None
     dh_c = lax.dot_general(g, w, _CONTRACT_V, preferred_element_type=jnp.float32)  # (C, D)
-    if r is not None:  # softmax - onehot = g * r: r scales dh's rows after the GEMM and h's rows before dw's
-      dh_c = dh_c * r[:, None]
+    if r is not None:  # softmax = g * r: r scales dh's rows after the GEMM and h's rows before dw's; the onehot
+      # is applied in float32, never rounded: -w[target] on dh's rows, -h's rows scattered onto dw's target rows
+      real_col = real_c.astype(jnp.float32)[:, None]  # (C, 1)
+      dh_c = dh_c * r[:, None] - w[t_c].astype(jnp.float32) * real_col  # (C, D)
+      dw = dw.at[t_c].add(-h_c.astype(jnp.float32) * real_col)  # (V, D)
       h_c = (h_c.astype(jnp.float32) * r[:, None]).astype(h_c.dtype)  # (C, D)
     dw = dw + lax.dot_general(g, h_c, _CONTRACT_C, preferred_element_type=jnp.float32)  # (V, D)
     return (total + total_c, dw), (dh_c / N).astype(h.dtype)

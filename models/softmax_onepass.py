@@ -1,20 +1,22 @@
-"""One chunk's cross-entropy gradient with one read of the logits: softmax - onehot up to a row scale.
+"""One chunk's cross-entropy gradient with one read of the logits: the softmax up to a row scale.
 
-Letters: C tokens in the chunk, V vocabulary.
+Letters: C tokens in the chunk, V vocabulary, D model width.
 
 Why: models.softmax_grad reads each row of logits twice, once for its max and sum(exp) and once
 to write softmax - onehot, since the softmax is not known before the sum is. But what follows it
 is two GEMMs (models.loss: dh = g @ w, dw = g^T @ h), and a row scale passes through both: with
 e = exp(x - c) for any shift c and s = sum(e),
 
-    (softmax - onehot) @ w   = (1 / s) * ((e - s * onehot) @ w)               (a (C, D) scale after)
-    (softmax - onehot)^T @ h = (e - s * onehot)^T @ (h * (1 / s))              (a (C, D) scale before)
+    (softmax - onehot) @ w   = (1 / s) * (e @ w) - w[target]                  ((C, D) work after)
+    (softmax - onehot)^T @ h = e^T @ (h * (1 / s)) - onehot^T @ h              ((C, D) work before and after)
 
-So this kernel writes e - s * onehot in the sweep that computes s, and returns r = 1 / s; the
-(C, D) scalings are small next to the (C, V) block. It reads the logits once instead of twice.
+So this kernel writes e in the sweep that computes s and returns r = 1 / s; models.loss scales
+the (C, D) rows and applies the onehot in float32 (a gather of w's target rows, a scatter-add of
+h's rows into dw), small next to the (C, V) block. It reads the logits once instead of twice.
 On the H200, one (4096, 50304) bfloat16 chunk, each timed alone with its launch (50 calls, median):
 0.4008 ms against 0.5849 ms for models.softmax_grad (1024 logits a read, 4 warps; 2048 or 4096 a
-read, or 2 or 8 warps: 0.4225 to 0.4674 ms).
+read, or 2 or 8 warps: 0.4225 to 0.4674 ms). Those timings are of this kernel when it also wrote
+the onehot into its block (e - s at the target, rounded at the scale of s); it no longer does.
 
 The shift c is the max of a row's first BLOCK logits (the max of the whole row is not known
 before the sweep). Logits more than LIMIT above it would make e overflow; then the row is swept
@@ -23,9 +25,14 @@ must have float32's exponent range (bfloat16, float32): e can reach exp(LIMIT) a
 as small as 1 / (V exp(LIMIT)); float16 takes models.softmax_grad.
 
 Numerics: each e is float32, rounded once to the output dtype, as models.softmax_grad rounds
-softmax - onehot; so is the target's e - s (formed in float32). A padding row (real 0) gets r = 0
-and its gradient row is left as computed (its logits are finite: padding h is 0), so that the
-scalings zero it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
+softmax - onehot; the onehot itself is never rounded (models.loss applies it in float32), where
+models.softmax_grad's -1 + p is rounded with the rest. models.loss also rounds h / s to the compute
+dtype for dw's GEMM. With a flat softmax (as at initialisation), bfloat16, the relative errors of dh
+and dw against float64 (after their own rounding to bfloat16, most of it) were 1.64e-3 and 1.68e-3
+on the CPU against 1.73e-3 and 1.77e-3 for softmax - onehot rounded as a whole, and 2.27e-3 and
+2.84e-3 when this kernel wrote e - s at the target (tests/test_loss.py). A padding row (real 0) gets r = 0 and its
+row of e is left as computed (its logits are finite: padding h is 0), so that the scalings zero
+it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
 
 models.kernels says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any
 backend (slowly), which is how the CPU tests check it.
@@ -47,21 +54,20 @@ LIMIT = 40.0  # the most the row's max may exceed the shift c: e <= exp(40) = 2.
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # output dtypes with float32's exponent range
 
 
-def softmax_grad_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Float[Array, "C"], out_dtype, *,
-                        interpret: bool = False) -> tuple[Float[Array, "C V"], Float[Array, "C"], Float[Array, "C"]]:
-  """(g, r, nll): g * r[:, None] = (softmax(logits) - onehot(targets)) * real, g in out_dtype (bfloat16 or
-  float32), r float32 (0 for padding), and -log softmax(logits)[target] (float32; 0 for padding). real is 1
-  for a token and 0 for padding. A token whose target lies outside [0, V) (unchecked under jit) gets a NaN
-  loss and no onehot in g."""
+def softmax_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Float[Array, "C"], out_dtype, *,
+                   interpret: bool = False) -> tuple[Float[Array, "C V"], Float[Array, "C"], Float[Array, "C"]]:
+  """(e, r, nll): e * r[:, None] = softmax(logits) * real, e in out_dtype (bfloat16 or float32), r float32
+  (0 for padding), and -log softmax(logits)[target] (float32; 0 for padding). real is 1 for a token and 0
+  for padding. A token whose target lies outside [0, V) (unchecked under jit) gets a NaN loss."""
   C, V = logits.shape
   if targets.shape != (C,) or real.shape != (C,):
     raise ValueError(f"targets and real must be (C,) = ({C},); got {tuple(targets.shape)}, {tuple(real.shape)}")
   if jnp.dtype(out_dtype) not in DTYPES:
-    raise ValueError(f"out_dtype must be bfloat16 or float32 (float32's exponent range: g reaches exp({LIMIT})); "
+    raise ValueError(f"out_dtype must be bfloat16 or float32 (float32's exponent range: e reaches exp({LIMIT})); "
                      f"got {jnp.dtype(out_dtype)}. float16 takes models.softmax_grad")
   row = lambda i: (i, 0)
   one = lambda i: (i,)
-  g, r, nll = pl.pallas_call(
+  e, r, nll = pl.pallas_call(
       functools.partial(_kernel, V=V, blocks=-(-V // BLOCK)),
       grid=(C,),
       in_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
@@ -72,11 +78,11 @@ def softmax_grad_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], r
       interpret=interpret,
   )(logits, targets.astype(jnp.int32), real.astype(jnp.float32))
   nll = jnp.where((targets < 0) | (targets >= V), jnp.nan, nll)  # (C,) the kernel would read another logit
-  return g, r, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
+  return e, r, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
 
 
-def _kernel(x_ref, t_ref, real_ref, g_ref, r_ref, nll_ref, *, V: int, blocks: int):
-  """One row: x_ref (V,) logits, t_ref (1,) target, real_ref (1,); g_ref (V,), r_ref (1,), nll_ref (1,).
+def _kernel(x_ref, t_ref, real_ref, e_ref, r_ref, nll_ref, *, V: int, blocks: int):
+  """One row: x_ref (V,) logits, t_ref (1,) target, real_ref (1,); e_ref (V,), r_ref (1,), nll_ref (1,).
 
   Each of the BLOCK lanes keeps its own max, sum of e and target logit over the logits it sees
   (lane i: logits i, BLOCK + i, ...), combined once after the sweep."""
@@ -93,7 +99,7 @@ def _kernel(x_ref, t_ref, real_ref, g_ref, r_ref, nll_ref, *, V: int, blocks: in
     c, m, s, target = carry
     x, idx, valid = load(j)
     e = jnp.exp(x - c)  # 0 past V
-    plgpu.store(g_ref.at[pl.ds(j * BLOCK, BLOCK)], e.astype(g_ref.dtype), mask=valid)
+    plgpu.store(e_ref.at[pl.ds(j * BLOCK, BLOCK)], e.astype(e_ref.dtype), mask=valid)
     return c, jnp.maximum(m, x), s + e, target + jnp.where(idx == t, x, 0.0)
 
   zeros = jnp.zeros((BLOCK,), jnp.float32)
@@ -105,9 +111,5 @@ def _kernel(x_ref, t_ref, real_ref, g_ref, r_ref, nll_ref, *, V: int, blocks: in
     return m, jnp.sum(jax.lax.fori_loop(0, blocks, sweep, (m, m_lane, zeros, zeros))[2])
 
   c, s = jax.lax.cond(m - c0 > LIMIT, again, lambda _: (c0, s), None)
-  # the target's entry: e - s, in float32 before its one rounding; stored by the lane of the block that holds it
-  at = jnp.clip(t, 0, V - 1)[0] // BLOCK * BLOCK
-  fix = jnp.broadcast_to(jnp.exp(x_t - c) - s, (BLOCK,))
-  plgpu.store(g_ref.at[pl.ds(at, BLOCK)], fix.astype(g_ref.dtype), mask=(at + lane == t) & (t < V) & (real > 0))
   r_ref[...] = jnp.where(real > 0, 1 / s, 0.0)  # (1,) padding: 0 even where its row is not finite
   nll_ref[...] = (jnp.log(s) - (x_t - c)) * real  # (1,)
