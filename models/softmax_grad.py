@@ -32,6 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from models import tiling
+
 BLOCK = 2048  # logits per row read at a time (a power of two, as Triton's blocks must be)
 WARPS = 4  # On the H200, for a (4096, 50304) bfloat16 chunk: 0.381 ms against 0.505 ms for the XLA fusions;
 # 1024 or 4096 logits a read, 8 or 16 warps, or the second sweep run backwards were as fast or slower.
@@ -50,7 +52,7 @@ def softmax_grad(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Fl
   row = lambda i: (i, 0)
   one = lambda i: (i,)
   g, nll = pl.pallas_call(
-      functools.partial(_kernel, V=V, blocks=blocks),
+      functools.partial(_kernel, blocks=blocks),
       grid=(C,),
       in_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
       out_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one)],
@@ -62,20 +64,16 @@ def softmax_grad(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Fl
   return g, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
 
 
-def _kernel(x_ref, t_ref, real_ref, g_ref, nll_ref, *, V: int, blocks: int):
+def _kernel(x_ref, t_ref, real_ref, g_ref, nll_ref, *, blocks: int):
   """One row: x_ref (V,) logits, t_ref (1,) target, real_ref (1,); g_ref (V,), nll_ref (1,).
 
   Each of the BLOCK lanes keeps its own running max and sum(exp(x - max)) over the logits it
   sees (lane i: logits i, BLOCK + i, ...); they are combined once at the end, so the sweeps
   have no cross-thread reduction inside the loop and one exp per logit each."""
   t, real = t_ref[...], real_ref[...]  # (1,), (1,)
-  lane = jnp.arange(BLOCK)  # (BLOCK,)
 
-  def load(j):  # (BLOCK,) float32 logits j * BLOCK + lane, -inf past V; their indices; which are real
-    idx = j * BLOCK + lane
-    valid = idx < V
-    x = plgpu.load(x_ref.at[pl.ds(j * BLOCK, BLOCK)], mask=valid, other=-jnp.inf)
-    return x.astype(jnp.float32), idx, valid
+  lane = jnp.arange(BLOCK)  # (BLOCK,)
+  load = lambda j: tiling.row_block(x_ref, j, lane)  # (BLOCK,) float32 logits (-inf past V), indices, mask
 
   def sweep_max_sum(j, carry):  # per lane: (m, s) with the new logit x folded in (online softmax)
     m, s = carry  # (BLOCK,), (BLOCK,)

@@ -48,6 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
+from models import tiling
+
 BLOCK = 1024  # logits per row read at a time (a power of two, as Triton's blocks must be)
 WARPS = 4
 LIMIT = 40.0  # the most the row's max may exceed the shift c: e <= exp(40) = 2.4e17, s <= V exp(40)
@@ -68,7 +70,7 @@ def softmax_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: 
   row = lambda i: (i, 0)
   one = lambda i: (i,)
   e, r, nll = pl.pallas_call(
-      functools.partial(_kernel, V=V, blocks=-(-V // BLOCK)),
+      functools.partial(_kernel, blocks=-(-V // BLOCK)),
       grid=(C,),
       in_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
       out_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
@@ -81,19 +83,15 @@ def softmax_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: 
   return e, r, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
 
 
-def _kernel(x_ref, t_ref, real_ref, e_ref, r_ref, nll_ref, *, V: int, blocks: int):
+def _kernel(x_ref, t_ref, real_ref, e_ref, r_ref, nll_ref, *, blocks: int):
   """One row: x_ref (V,) logits, t_ref (1,) target, real_ref (1,); e_ref (V,), r_ref (1,), nll_ref (1,).
 
   Each of the BLOCK lanes keeps its own max, sum of e and target logit over the logits it sees
   (lane i: logits i, BLOCK + i, ...), combined once after the sweep."""
   t, real = t_ref[...], real_ref[...]  # (1,), (1,)
-  lane = jnp.arange(BLOCK)  # (BLOCK,)
 
-  def load(j):  # (BLOCK,) float32 logits j * BLOCK + lane, -inf past V; their indices; which are real
-    idx = j * BLOCK + lane
-    valid = idx < V
-    x = plgpu.load(x_ref.at[pl.ds(j * BLOCK, BLOCK)], mask=valid, other=-jnp.inf)
-    return x.astype(jnp.float32), idx, valid
+  lane = jnp.arange(BLOCK)  # (BLOCK,)
+  load = lambda j: tiling.row_block(x_ref, j, lane)  # (BLOCK,) float32 logits (-inf past V), indices, mask
 
   def sweep(j, carry):  # writes e = exp(x - c); per lane: max, sum of e, the target's logit
     c, m, s, target = carry

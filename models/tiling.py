@@ -29,3 +29,14 @@ def load(ref, r0, c0, rows: int, width: int):
   mask = ((r0 + jnp.arange(rows)) < N)[:, None] & ((c0 + jnp.arange(width)) < D)[None, :]
   block = plgpu.load(ref.at[pl.ds(r0, rows), pl.ds(c0, width)], mask=mask, other=0.0)
   return block.astype(jnp.float32), mask
+
+
+def row_block(ref, j, lane):
+  """Logits j * B + lane of the 1-D ref (a row of V; lane = arange(B), made once outside the sweep's loop) in
+  float32, -inf past V; their indices; the mask of what lies inside. A row kernel reads its row through this."""
+  (V,) = ref.shape
+  block = lane.shape[0]
+  idx = j * block + lane  # (B,)
+  valid = idx < V
+  x = plgpu.load(ref.at[pl.ds(j * block, block)], mask=valid, other=-jnp.inf)
+  return x.astype(jnp.float32), idx, valid
