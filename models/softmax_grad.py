@@ -71,7 +71,6 @@ def _kernel(x_ref, t_ref, real_ref, g_ref, nll_ref, *, blocks: int):
   sees (lane i: logits i, BLOCK + i, ...); they are combined once at the end, so the sweeps
   have no cross-thread reduction inside the loop and one exp per logit each."""
   t, real = t_ref[...], real_ref[...]  # (1,), (1,)
-
   lane = jnp.arange(BLOCK)  # (BLOCK,)
   load = lambda j: tiling.row_block(x_ref, j, lane)  # (BLOCK,) float32 logits (-inf past V), indices, mask
 

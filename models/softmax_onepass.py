@@ -30,9 +30,9 @@ models.softmax_grad's -1 + p is rounded with the rest. models.loss also rounds h
 dtype for dw's GEMM. With a flat softmax (as at initialisation), bfloat16, the relative errors of dh
 and dw against float64 (after their own rounding to bfloat16, most of it) were 1.64e-3 and 1.68e-3
 on the CPU against 1.73e-3 and 1.77e-3 for softmax - onehot rounded as a whole, and 2.27e-3 and
-2.84e-3 when this kernel wrote e - s at the target (tests/test_loss.py). A padding row (real 0) gets r = 0 and its
-row of e is left as computed (its logits are finite: padding h is 0), so that the scalings zero
-it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
+2.84e-3 when this kernel wrote e - s at the target (tests/test_loss.py). A padding row (real 0)
+gets r = 0 and its row of e is left as computed (its logits are finite: padding h is 0), so that
+the scalings zero it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
 
 models.kernels says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any
 backend (slowly), which is how the CPU tests check it.
@@ -89,7 +89,6 @@ def _kernel(x_ref, t_ref, real_ref, e_ref, r_ref, nll_ref, *, blocks: int):
   Each of the BLOCK lanes keeps its own max, sum of e and target logit over the logits it sees
   (lane i: logits i, BLOCK + i, ...), combined once after the sweep."""
   t, real = t_ref[...], real_ref[...]  # (1,), (1,)
-
   lane = jnp.arange(BLOCK)  # (BLOCK,)
   load = lambda j: tiling.row_block(x_ref, j, lane)  # (BLOCK,) float32 logits (-inf past V), indices, mask
 
