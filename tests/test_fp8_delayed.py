@@ -3,6 +3,11 @@ the history its gradient hands back, and the argument checks. The cuDNN kernels 
 they are replaced by a float32 attention on the dequantised tensors (what the FP8 kernel computes up
 to P's rounding); tests/test_gpu_fp8_delayed.py runs the real ones."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +111,49 @@ def test_delayed_core_matches_reference_and_its_gradient_is_the_next_history(cpu
   for name, got, ref in zip("qkv", (dq, dk, dv), want_grads):
     reference.assert_close(got, ref, "fp8", "grad", f"delayed core d{name}, {step} step")
   np.testing.assert_array_equal(next_history, _fp8_delayed.roll(history, _amax(q, k, v)))
+
+
+# Two CPU devices in a process of their own, the batch split over a "data" axis as train.loop.data_mesh splits it;
+# row 1 (device 1's) of q, k and v is 64x larger, so a per-device amax would differ between the devices.
+_DATA_PARALLEL = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from attnlayers.backends import _fp8_delayed
+    from tests import test_fp8_delayed as t
+    from train.loop import data_mesh
+    _fp8_delayed.quantized_forward, _fp8_delayed.quantized_backward = t._fake_forward, t._fake_backward
+    assert jax.device_count() == 2, jax.devices()
+    q, k, v, dout = t._inputs()
+    q, k, v = (x.at[1].multiply(64) for x in (q, k, v))  # (B=2, ...): row 1 lies on device 1
+    history = jnp.zeros((3, 8), jnp.float32).at[:, 0].set(t._amax(q, k, v))
+    mesh = data_mesh(jax.devices())
+    rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    run = jax.jit(t._run)
+    (_, out), grads = run(*(jax.device_put(x, rows) for x in (q, k, v)), jax.device_put(history, whole),
+                          jax.device_put(dout, rows))
+    (_, out1), grads1 = run(*(jax.device_put(x, jax.devices()[0]) for x in (q, k, v, history, dout)))
+    copies = [np.asarray(s.data) for s in grads[3].addressable_shards]
+    assert len(copies) == 2 and all(c.shape == (3, 8) for c in copies), [c.shape for c in copies]
+    want = np.asarray(_fp8_delayed.roll(history, t._amax(q, k, v)))  # the whole batch's amaxes
+    for c in copies:
+      np.testing.assert_array_equal(c, want)
+    np.testing.assert_array_equal(np.asarray(grads[3]), np.asarray(grads1[3]))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(out1))
+    for g, g1 in zip(grads[:3], grads1[:3]):
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g1, np.float32), rtol=1e-6, atol=1e-6)
+    print("global amax history on both devices")
+""")
+
+
+def test_data_parallel_history_holds_the_whole_batchs_amax_on_every_device():
+  """jit's global semantics: the amax is reduced over the data axis, so each device's copy of the next history
+  is the one a single device computes (the data-parallel half of te-fp8's core; TE's GEMMs need GPUs)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  done = subprocess.run([sys.executable, "-c", _DATA_PARALLEL], cwd=root, env=env, text=True, capture_output=True,
+                        timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "global amax history on both devices" in done.stdout
 
 
 def test_an_amax_past_the_history_saturates_and_stays_finite(cpu_kernels):
