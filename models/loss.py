@@ -56,7 +56,7 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   "pallas" (one GPU kernel for XLA's two fusions, faster: models.softmax_onepass, one read of the
   logits, where w is bfloat16 or float32; models.softmax_grad, two reads, for float16) or "interpret"
   (that kernel through the Pallas interpreter, any backend, slow: for tests). The same float32 formula,
-  rounded differently: models.softmax_onepass's path never rounds the onehot.
+  rounded differently: models.softmax_onepass's path never rounds the target's entry, p - 1.
   """
   if h.ndim != 3 or w.ndim != 2 or h.shape[-1] != w.shape[-1]:
     raise ValueError(f"h must be (B, T, D) and w (V, D) with the same D; got h {tuple(h.shape)}, w {tuple(w.shape)}")
@@ -143,17 +143,18 @@ def _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel):
 
 def _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel):
   """One chunk's summed loss over real tokens, and d loss / d logits * N = softmax - onehot (C, V): as g, in
-  w's dtype, with r None; or (models.softmax_onepass) as g * r - onehot, g = exp(logits - c) in w's dtype and
-  r (C,) float32, the onehot left to the caller. Padding rows contribute 0."""
+  w's dtype, with scales None; or (models.softmax_onepass) as g * r + onehot * a, g = exp(logits - c) (0 at the
+  target) in w's dtype and scales = (r, a), each (C,) float32, the onehot's term left to the caller. Padding
+  rows contribute 0."""
   if kernel == "xla":
     total_c, logits, top, denom = _chunk_loss(h_c, w, t_c, real_c, logits_dtype)
     g = jnp.exp(logits - top) * (1 / denom) - jax.nn.one_hot(t_c, w.shape[0], dtype=jnp.float32)  # (C, V)
     return total_c, jnp.where(real_c[:, None], g, 0.0).astype(w.dtype), None  # (C, V) padding passes no gradient
   logits = lax.dot_general(h_c, w, _CONTRACT_D, preferred_element_type=logits_dtype)  # (C, V)
   interpret = kernel == "interpret"
-  if jnp.dtype(w.dtype) in softmax_onepass.DTYPES:  # one read of the logits; r and the onehot go to the GEMMs
-    e, r, nll = softmax_onepass.softmax_scaled(logits, t_c, real_c, w.dtype, interpret=interpret)
-    return jnp.sum(nll), e, r
+  if jnp.dtype(w.dtype) in softmax_onepass.DTYPES:  # one read of the logits; r and the target's term go to the GEMMs
+    e, r, a, nll = softmax_onepass.softmax_scaled(logits, t_c, real_c, w.dtype, interpret=interpret)
+    return jnp.sum(nll), e, (r, a)
   g, nll = softmax_grad.softmax_grad(logits, t_c, real_c, w.dtype, interpret=interpret)  # float16
   return jnp.sum(nll), g, None
 
@@ -170,14 +171,15 @@ def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype, kernel):
   def step(carry, xs):
     total, dw = carry
     h_c, t_c, real_c = xs  # (C, D), (C,), (C,)
-    total_c, g, r = _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel)  # (), (C, V), (C,) | None
+    total_c, g, scales = _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel)  # (), (C, V), ((C,), (C,)) | None
     dh_c = lax.dot_general(g, w, _CONTRACT_V, preferred_element_type=jnp.float32)  # (C, D)
-    if r is not None:  # softmax = g * r: r scales dh's rows after the GEMM and h's rows before dw's; the onehot
-      # is applied in float32, never rounded: -w[target] on dh's rows, -h's rows scattered onto dw's target rows
-      real_col = real_c.astype(jnp.float32)[:, None]  # (C, 1)
-      dh_c = dh_c * r[:, None] - w[t_c].astype(jnp.float32) * real_col  # (C, D)
-      dw = dw.at[t_c].add(-h_c.astype(jnp.float32) * real_col)  # (V, D)
-      h_c = (h_c.astype(jnp.float32) * r[:, None]).astype(h_c.dtype)  # (C, D)
+    if scales is not None:  # softmax - onehot = g * r + onehot * a: r scales dh's rows after the GEMM and h's rows
+      # before dw's; the target's term p - 1 = a is applied in float32, never rounded: a * w[target] on dh's rows,
+      # a * h's rows scattered onto dw's target rows (a is 0 for padding)
+      r, a = scales[0][:, None], scales[1][:, None]  # (C, 1), (C, 1)
+      dh_c = dh_c * r + w[t_c].astype(jnp.float32) * a  # (C, D)
+      dw = dw.at[t_c].add(h_c.astype(jnp.float32) * a)  # (V, D)
+      h_c = (h_c.astype(jnp.float32) * r).astype(h_c.dtype)  # (C, D)
     dw = dw + lax.dot_general(g, h_c, _CONTRACT_C, preferred_element_type=jnp.float32)  # (V, D)
     return (total + total_c, dw), (dh_c / N).astype(h.dtype)
 

@@ -5,18 +5,19 @@ Letters: C tokens in the chunk, V vocabulary, D model width.
 Why: models.softmax_grad reads each row of logits twice, once for its max and sum(exp) and once
 to write softmax - onehot, since the softmax is not known before the sum is. But what follows it
 is two GEMMs (models.loss: dh = g @ w, dw = g^T @ h), and a row scale passes through both: with
-e = exp(x - c) for any shift c and s = sum(e),
+e = exp(x - c) for any shift c, 0 at the target, s = sum(exp(x - c)) over the whole row, r = 1 / s
+and a = p(target) - 1 = -(s - exp(x_target - c)) / s,
 
-    (softmax - onehot) @ w   = (1 / s) * (e @ w) - w[target]                  ((C, D) work after)
-    (softmax - onehot)^T @ h = e^T @ (h * (1 / s)) - onehot^T @ h              ((C, D) work before and after)
+    (softmax - onehot) @ w   = r * (e @ w) + a * w[target]                    ((C, D) work after)
+    (softmax - onehot)^T @ h = e^T @ (h * r) + onehot^T @ (a * h)             ((C, D) work before and after)
 
-So this kernel writes e in the sweep that computes s and returns r = 1 / s; models.loss scales
-the (C, D) rows and applies the onehot in float32 (a gather of w's target rows, a scatter-add of
-h's rows into dw), small next to the (C, V) block. It reads the logits once instead of twice.
+So this kernel writes e in the sweep that computes s and returns r and a; models.loss scales the
+(C, D) rows and applies the target's term in float32 (a gather of w's target rows, a scatter-add
+of h's rows into dw), small next to the (C, V) block. It reads the logits once instead of twice.
 On the H200, one (4096, 50304) bfloat16 chunk, each timed alone with its launch (50 calls, median):
 0.4008 ms against 0.5849 ms for models.softmax_grad (1024 logits a read, 4 warps; 2048 or 4096 a
-read, or 2 or 8 warps: 0.4225 to 0.4674 ms). Those timings are of this kernel when it also wrote
-the onehot into its block (e - s at the target, rounded at the scale of s); it no longer does.
+read, or 2 or 8 warps: 0.4225 to 0.4674 ms). Those timings are of this kernel when it wrote e - s
+at the target (rounded at the scale of s); it now writes 0 there and sums the other entries apart.
 
 The shift c is the max of a row's first BLOCK logits (the max of the whole row is not known
 before the sweep). Logits more than LIMIT above it would make e overflow; then the row is swept
@@ -25,14 +26,14 @@ must have float32's exponent range (bfloat16, float32): e can reach exp(LIMIT) a
 as small as 1 / (V exp(LIMIT)); float16 takes models.softmax_grad.
 
 Numerics: each e is float32, rounded once to the output dtype, as models.softmax_grad rounds
-softmax - onehot; the onehot itself is never rounded (models.loss applies it in float32), where
-models.softmax_grad's -1 + p is rounded with the rest. models.loss also rounds h / s to the compute
-dtype for dw's GEMM. With a flat softmax (as at initialisation), bfloat16, the relative errors of dh
-and dw against float64 (after their own rounding to bfloat16, most of it) were 1.64e-3 and 1.68e-3
-on the CPU against 1.73e-3 and 1.77e-3 for softmax - onehot rounded as a whole, and 2.27e-3 and
-2.84e-3 when this kernel wrote e - s at the target (tests/test_loss.py). A padding row (real 0)
-gets r = 0 and its row of e is left as computed (its logits are finite: padding h is 0), so that
-the scalings zero it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
+softmax - onehot. The target's entry is never rounded: a is a float32 ratio of two float32 sums,
+the other entries' and the whole row's, so p(target) - 1 keeps its relative precision however close
+p(target) comes to 1 (a confident prediction). Taking it as e_target * r - 1 after the GEMMs instead,
+with e_target rounded to bfloat16, loses it there: at 1 - p(target) = 4.7e-4 the relative errors of dh
+and dw were 3.93 and 5.99, against 1.42e-3 and 1.44e-3 now (tests/test_loss.py); rounding e - s at
+the target as a whole loses precision at a flat softmax instead. models.loss also rounds h / s to the compute dtype for dw's GEMM. A padding row (real 0)
+gets r = a = 0 and its row of e is left as computed (its logits are finite: padding h is 0), so
+that the scalings zero it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
 
 models.kernels says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any
 backend (slowly), which is how the CPU tests check it.
@@ -57,10 +58,12 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # output dtypes with
 
 
 def softmax_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Float[Array, "C"], out_dtype, *,
-                   interpret: bool = False) -> tuple[Float[Array, "C V"], Float[Array, "C"], Float[Array, "C"]]:
-  """(e, r, nll): e * r[:, None] = softmax(logits) * real, e in out_dtype (bfloat16 or float32), r float32
-  (0 for padding), and -log softmax(logits)[target] (float32; 0 for padding). real is 1 for a token and 0
-  for padding. A token whose target lies outside [0, V) (unchecked under jit) gets a NaN loss."""
+                   interpret: bool = False
+                   ) -> tuple[Float[Array, "C V"], Float[Array, "C"], Float[Array, "C"], Float[Array, "C"]]:
+  """(e, r, a, nll): e * r[:, None] + onehot(targets) * a[:, None] = (softmax(logits) - onehot) * real, with e in
+  out_dtype (bfloat16 or float32, 0 at each row's target), r and a float32 (0 for padding; a = p(target) - 1), and
+  -log softmax(logits)[target] (float32; 0 for padding). real is 1 for a token and 0 for padding. A token whose
+  target lies outside [0, V) (unchecked under jit) gets a NaN loss."""
   C, V = logits.shape
   if targets.shape != (C,) or real.shape != (C,):
     raise ValueError(f"targets and real must be (C,) = ({C},); got {tuple(targets.shape)}, {tuple(real.shape)}")
@@ -69,44 +72,47 @@ def softmax_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: 
                      f"got {jnp.dtype(out_dtype)}. float16 takes models.softmax_grad")
   row = lambda i: (i, 0)
   one = lambda i: (i,)
-  e, r, nll = pl.pallas_call(
+  per_row = jax.ShapeDtypeStruct((C,), jnp.float32)
+  e, r, a, nll = pl.pallas_call(
       functools.partial(_kernel, blocks=-(-V // BLOCK)),
       grid=(C,),
       in_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
-      out_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
-      out_shape=[jax.ShapeDtypeStruct((C, V), jnp.dtype(out_dtype)), jax.ShapeDtypeStruct((C,), jnp.float32),
-                 jax.ShapeDtypeStruct((C,), jnp.float32)],
+      out_specs=[pl.BlockSpec((None, V), row)] + [pl.BlockSpec((1,), one)] * 3,
+      out_shape=[jax.ShapeDtypeStruct((C, V), jnp.dtype(out_dtype)), per_row, per_row, per_row],
       compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
       interpret=interpret,
   )(logits, targets.astype(jnp.int32), real.astype(jnp.float32))
   nll = jnp.where((targets < 0) | (targets >= V), jnp.nan, nll)  # (C,) the kernel would read another logit
-  return e, r, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
+  return e, r, a, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
 
 
-def _kernel(x_ref, t_ref, real_ref, e_ref, r_ref, nll_ref, *, blocks: int):
-  """One row: x_ref (V,) logits, t_ref (1,) target, real_ref (1,); e_ref (V,), r_ref (1,), nll_ref (1,).
+def _kernel(x_ref, t_ref, real_ref, e_ref, r_ref, a_ref, nll_ref, *, blocks: int):
+  """One row: x_ref (V,) logits, t_ref (1,) target, real_ref (1,); e_ref (V,), r_ref, a_ref, nll_ref (1,).
 
-  Each of the BLOCK lanes keeps its own max, sum of e and target logit over the logits it sees
-  (lane i: logits i, BLOCK + i, ...), combined once after the sweep."""
+  Each of the BLOCK lanes keeps its own max, sum of e (the target's entry left out) and target logit over the
+  logits it sees (lane i: logits i, BLOCK + i, ...), combined once after the sweep."""
   t, real = t_ref[...], real_ref[...]  # (1,), (1,)
   lane = jnp.arange(BLOCK)  # (BLOCK,)
   load = lambda j: tiling.row_block(x_ref, j, lane)  # (BLOCK,) float32 logits (-inf past V), indices, mask
 
-  def sweep(j, carry):  # writes e = exp(x - c); per lane: max, sum of e, the target's logit
+  def sweep(j, carry):  # writes e = exp(x - c), 0 at the target; per lane: max, sum of e, the target's logit
     c, m, s, target = carry
     x, idx, valid = load(j)
-    e = jnp.exp(x - c)  # 0 past V
+    hit = idx == t
+    e = jnp.where(hit, 0.0, jnp.exp(x - c))  # 0 past V
     plgpu.store(e_ref.at[pl.ds(j * BLOCK, BLOCK)], e.astype(e_ref.dtype), mask=valid)
-    return c, jnp.maximum(m, x), s + e, target + jnp.where(idx == t, x, 0.0)
+    return c, jnp.maximum(m, x), s + e, target + jnp.where(hit, x, 0.0)
 
   zeros = jnp.zeros((BLOCK,), jnp.float32)
   c0 = jnp.max(load(0)[0])  # the shift: the first block's max
   _, m_lane, s_lane, t_lane = jax.lax.fori_loop(0, blocks, sweep, (c0, jnp.full((BLOCK,), -jnp.inf), zeros, zeros))
-  m, s, x_t = jnp.max(m_lane), jnp.sum(s_lane), jnp.sum(t_lane)
+  m, rest, x_t = jnp.max(m_lane), jnp.sum(s_lane), jnp.sum(t_lane)  # rest: sum of e but the target's
 
   def again(_):  # the max lies more than LIMIT above c0: the row once more, shifted by its max
     return m, jnp.sum(jax.lax.fori_loop(0, blocks, sweep, (m, m_lane, zeros, zeros))[2])
 
-  c, s = jax.lax.cond(m - c0 > LIMIT, again, lambda _: (c0, s), None)
+  c, rest = jax.lax.cond(m - c0 > LIMIT, again, lambda _: (c0, rest), None)
+  s = rest + jnp.exp(x_t - c)  # the whole row's sum of exp(x - c)
   r_ref[...] = jnp.where(real > 0, 1 / s, 0.0)  # (1,) padding: 0 even where its row is not finite
+  a_ref[...] = jnp.where(real > 0, -rest / s, 0.0)  # (1,) p(target) - 1, no cancellation
   nll_ref[...] = (jnp.log(s) - (x_t - c)) * real  # (1,)

@@ -82,19 +82,27 @@ def test_gpt2_vocabulary_chunk_float32_output():
 @pytest.mark.parametrize("out", ["bfloat16", "float32"])
 def test_onepass_gpt2_vocabulary_chunk_matches_float64(out):
   """models.softmax_onepass compiled, on a (512, 50304) bfloat16 chunk spread like a trained model's, with
-  three rows whose max lies 50 above their first block (the second sweep: e <= 1 there) and three padding
-  rows: e * r against the softmax, and the loss."""
+  three rows whose max lies 50 above their first block (the second sweep: e <= 1 there; row 0's max is its
+  target's logit, p(target) near 1) and three padding rows: e * r + onehot * a against softmax - onehot, a
+  (p(target) - 1) relative to its own size, and the loss."""
   C, V = 512, 50304
   x = (jax.random.normal(jax.random.key(0), (C, V)) * 3).astype(jnp.bfloat16).at[:3, 30000].set(60.0)
   t = jax.random.randint(jax.random.key(1), (C,), 0, V).at[0].set(30000)
   real = (jnp.arange(C) < C - 3).astype(jnp.float32)
-  e, r, nll = jax.jit(lambda x, t, r: softmax_onepass.softmax_scaled(x, t, r, jnp.dtype(out)))(x, t, real)
+  e, r, a, nll = jax.jit(lambda x, t, r: softmax_onepass.softmax_scaled(x, t, r, jnp.dtype(out)))(x, t, real)
   x64 = np.asarray(x, np.float64)
   p64 = np.exp(x64 - x64.max(-1, keepdims=True))
   p64 /= p64.sum(-1, keepdims=True)
-  assert e.dtype == jnp.dtype(out) and np.all(np.asarray(r[-3:]) == 0)
-  assert float(jnp.max(e[:3].astype(jnp.float32))) == 1.0
-  scaled = np.asarray(e, np.float32) * np.asarray(r)[:, None]
-  reference.assert_close(scaled, p64 * np.asarray(real)[:, None], jnp.dtype(out), "grad", "e * r = softmax")
+  rows, cols = np.arange(C), np.asarray(t)
+  assert e.dtype == jnp.dtype(out) and np.all(np.asarray(r[-3:]) == 0) and np.all(np.asarray(a[-3:]) == 0)
+  e32 = np.asarray(e, np.float32)
+  assert np.all(e32[rows, cols] == 0) and e32[1:3].max() == 1.0  # rows 1, 2: swept again, their max not a target
+  g = e32 * np.asarray(r)[:, None]
+  g[rows, cols] += np.asarray(a)
+  g64 = p64.copy()
+  g64[rows, cols] -= 1
+  real64 = np.asarray(real)[:, None]
+  reference.assert_close(g, g64 * real64, jnp.dtype(out), "grad", "e * r + onehot * a = softmax - onehot")
+  np.testing.assert_allclose(np.asarray(a)[:-3], g64[rows, cols][:-3], rtol=1e-4, err_msg="a = p(target) - 1")
   reference.assert_close(nll, -np.log(p64[np.arange(C), np.asarray(t)]) * np.asarray(real), jnp.float32, "out",
                          "-log p(target)")

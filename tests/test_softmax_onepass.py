@@ -1,6 +1,7 @@
-"""models.softmax_onepass (interpreted): e * r equals the softmax and nll the float64 formula, on long and
-ragged rows, padding, rows whose max lies far above their first block (the second sweep), and bad targets.
-The GPU compiles the same kernel in tests/test_gpu_loss.py."""
+"""models.softmax_onepass (interpreted): e * r + onehot * a equals softmax - onehot and nll the float64 formula,
+on long and ragged rows, padding, rows whose max lies far above their first block (the second sweep), confident
+rows (p(target) near 1, where a must keep its relative precision), and bad targets. The GPU compiles the same
+kernel in tests/test_gpu_loss.py."""
 
 import re
 
@@ -15,21 +16,30 @@ from tests import reference
 BLOCK = softmax_onepass.BLOCK
 
 
-def _expected(x, t, real):
-  """float64 softmax * real and -log softmax[target] * real."""
+def _softmax64(x):
   x64 = x.astype(np.float64)
   p = np.exp(x64 - x64.max(1, keepdims=True))
-  p /= p.sum(1, keepdims=True)
+  return p / p.sum(1, keepdims=True)
+
+
+def _expected(x, t, real):
+  """float64 (softmax - onehot) * real and -log softmax[target] * real."""
+  p = _softmax64(x)
   with np.errstate(divide="ignore"):  # a target among -inf logits: p = 0, an infinite loss
     nll = -np.log(p[np.arange(len(t)), t]) * real
+  p[np.arange(len(t)), t] -= 1
   return p * real[:, None], nll
 
 
 def _run(x, t, real, dtype=jnp.float32):
-  """(e * r, r, nll, e) as float32 numpy."""
-  e, r, nll = softmax_onepass.softmax_scaled(jnp.asarray(x), jnp.asarray(t), jnp.asarray(real), dtype, interpret=True)
-  e = np.asarray(e, np.float32)
-  return e * np.asarray(r)[:, None], np.asarray(r), np.asarray(nll), e
+  """(e * r + onehot * a, r, nll, e, a) as float32 numpy."""
+  e, r, a, nll = softmax_onepass.softmax_scaled(jnp.asarray(x), jnp.asarray(t), jnp.asarray(real), dtype,
+                                                interpret=True)
+  e, r, a = np.asarray(e, np.float32), np.asarray(r), np.asarray(a)
+  assert np.all(e[np.arange(len(t)), t] == 0), "e must hold 0 at each row's target"
+  g = e * r[:, None]
+  g[np.arange(len(t)), t] += a
+  return g, r, np.asarray(nll), e, a
 
 
 @pytest.mark.parametrize("blocks", [1, 2.5], ids=["V=BLOCK", "V=2.5BLOCK"])
@@ -40,11 +50,11 @@ def test_scaled_gradient_on_long_rows_and_padding(blocks):
   x[1] = 2.0  # all tied
   x[2, 1::3] = -np.inf
   t, real = np.array([0, 5, V - 1, V - 3, 3]), np.array([1.0, 1.0, 1.0, 1.0, 0.0], np.float32)
-  p, r, nll, _ = _run(x, t, real)
-  p_ref, nll_ref = _expected(x, t, real)
-  reference.assert_close(p, p_ref, jnp.float32, "grad", "e * r = softmax")
+  g, r, nll, _, a = _run(x, t, real)
+  g_ref, nll_ref = _expected(x, t, real)
+  reference.assert_close(g, g_ref, jnp.float32, "grad", "e * r + onehot * a = softmax - onehot")
   reference.assert_close(nll, nll_ref, jnp.float32, "out", "-log p(target)")
-  assert r[4] == 0.0 and np.all(r[:4] > 0)
+  assert r[4] == a[4] == 0.0 and np.all(r[:4] > 0)
 
 
 @pytest.mark.parametrize("above", [30.0, 50.0, 500.0], ids=["within-limit", "past-limit", "past-float32-exp"])
@@ -59,14 +69,14 @@ def test_a_max_far_above_the_first_block(above):
   x[1, BLOCK + 1] = above  # not the target's
   x[3, 5] = above
   t, real = np.array([2 * BLOCK + 7, 4, 9, 5]), np.ones(4, np.float32)
-  p, _, nll, e = _run(x, t, real)
-  p_ref, nll_ref = _expected(x, t, real)
-  assert np.isfinite(p).all() and np.isfinite(nll).all()
-  reference.assert_close(p, p_ref, jnp.float32, "grad", f"e * r with a logit {above} above the first block")
+  g, _, nll, e, _ = _run(x, t, real)
+  g_ref, nll_ref = _expected(x, t, real)
+  assert np.isfinite(g).all() and np.isfinite(nll).all()
+  reference.assert_close(g, g_ref, jnp.float32, "grad", f"e * r + onehot * a, a logit {above} above the first block")
   reference.assert_close(nll, nll_ref, jnp.float32, "out", "-log p(target)")
-  swept_again = above - x[:2, :BLOCK].max() > softmax_onepass.LIMIT
-  assert (e[:2].max() == 1.0) == swept_again and (e[:2].max() > 1e6) != swept_again  # which shift each row took
-  assert e[2:].max() == 1.0  # shifted by their own max from the start
+  swept_again = above - x[1, :BLOCK].max() > softmax_onepass.LIMIT  # row 1: the large logit is not its target's
+  assert (e[1].max() == 1.0) == swept_again and (e[1].max() > 1e6) != swept_again  # which shift the row took
+  assert e[0].max() <= (1.0 if swept_again else np.exp(above)) and e[2].max() == 1.0  # row 0: its target holds 0
 
 
 def test_many_large_logits_past_the_limit_keep_the_sum_finite():
@@ -76,21 +86,22 @@ def test_many_large_logits_past_the_limit_keep_the_sum_finite():
   x = np.zeros((2, V), np.float32)
   x[0, BLOCK:BLOCK + 2000] = 82.0
   t, real = np.array([BLOCK + 3, 7]), np.ones(2, np.float32)
-  p, r, nll, _ = _run(x, t, real)
-  p_ref, nll_ref = _expected(x, t, real)
+  g, r, nll, _, _ = _run(x, t, real)
+  g_ref, nll_ref = _expected(x, t, real)
   assert np.isfinite(r).all() and r[0] > 0
-  reference.assert_close(p, p_ref, jnp.float32, "grad", "e * r")
+  reference.assert_close(g, g_ref, jnp.float32, "grad", "e * r + onehot * a")
   reference.assert_close(nll, nll_ref, jnp.float32, "out", "-log p(target)")
 
 
 def test_bfloat16_output_rounds_once():
-  """bfloat16 out: e * r within bfloat16's tolerance of the float64 softmax, with logits past LIMIT."""
+  """bfloat16 out: e * r + onehot * a within bfloat16's tolerance of the float64 softmax - onehot, with logits past
+  LIMIT."""
   x = np.random.default_rng(4).normal(size=(3, 2 * BLOCK + 5)).astype(np.float32) * 4
   x[1, -1] = 60.0
   t, real = np.array([7, 2 * BLOCK + 4, BLOCK]), np.ones(3, np.float32)
-  p, _, nll, _ = _run(x, t, real, jnp.bfloat16)
-  p_ref, nll_ref = _expected(x, t, real)
-  reference.assert_close(p, p_ref, jnp.bfloat16, "grad", "e * r (bfloat16 e)")
+  g, _, nll, _, _ = _run(x, t, real, jnp.bfloat16)
+  g_ref, nll_ref = _expected(x, t, real)
+  reference.assert_close(g, g_ref, jnp.bfloat16, "grad", "e * r + onehot * a (bfloat16 e)")
   reference.assert_close(nll, nll_ref, jnp.float32, "out", "-log p(target)")
 
 
@@ -100,9 +111,27 @@ def test_bad_targets_and_a_padding_row_that_is_not_finite():
   V = 37
   x = jnp.asarray(np.random.default_rng(2).normal(size=(4, V)), jnp.float32).at[3].set(jnp.nan)
   t, real = jnp.array([-1, V, 4, 0]), jnp.array([1.0, 1.0, 1.0, 0.0])
-  _, r, nll = jax.jit(lambda x, t, r: softmax_onepass.softmax_scaled(x, t, r, jnp.float32, interpret=True))(
+  _, r, a, nll = jax.jit(lambda x, t, r: softmax_onepass.softmax_scaled(x, t, r, jnp.float32, interpret=True))(
       x, t, real)
-  assert np.isnan(nll[:2]).all() and np.isfinite(nll[2]) and nll[3] == 0.0 and r[3] == 0.0
+  assert np.isnan(nll[:2]).all() and np.isfinite(nll[2]) and nll[3] == 0.0 and r[3] == a[3] == 0.0
+
+
+@pytest.mark.parametrize("out", ["bfloat16", "float32"])
+def test_a_confident_row_keeps_p_minus_1_to_float32_precision(out):
+  """1 - p(target) from about 6e-6 down to 8e-10, the target in the first block (the shift is its logit) or after
+  it: a = p - 1 within 1e-5 of float64, relative to its own small size, whatever e is rounded to. (e_target * r - 1
+  from a rounded e_target is off by up to 2^-9 absolute in bfloat16, 6e-8 in float32; (e_target - s) / s by s's
+  rounding, about 6e-8: both far more than 1 - p here.)"""
+  V = 3 * BLOCK
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(8, V)).astype(np.float32)
+  t = np.array([3, 2 * BLOCK + 5] * 4)
+  margins = np.repeat([12.0, 14.0, 17.0, 21.0], 2)  # above the other logits' log-sum-exp, about log V + 0.5
+  x[np.arange(8), t] = margins + np.log(np.exp(x.astype(np.float64)).sum(1)).astype(np.float32)
+  _, _, _, _, a = _run(x, t, np.ones(8, np.float32), jnp.dtype(out))
+  want = _softmax64(x)[np.arange(8), t] - 1  # (8,) about -6e-6 to -8e-10
+  assert np.all(want > -1e-5) and np.all(want < -1e-10), want
+  np.testing.assert_allclose(a, want, rtol=1e-5)
 
 
 def test_float16_and_shape_errors():
