@@ -96,6 +96,20 @@ def test_te_without_transformer_engine_says_how_to_install(backend):
     assert "NVIDIA GPU" in message
 
 
+def test_te_fp8_lists_its_cores_head_dim_beside_the_device_it_lacks():
+  """Every unmet requirement at once: where the device fails too (a CPU, or no TransformerEngine), a head dim the
+  FP8 core cannot take is still named, with fp8_core='fp8-or-bf16' as what would work."""
+  x = jnp.zeros((2, 128, 4, 32), jnp.bfloat16)  # (B, T, N, H): H 32, the FP8 core takes 128
+  plan = attnlayers.explain("te-fp8", x, x, x, is_causal=True)
+  if plan.ok:
+    pytest.skip("te-fp8 can run here: the head dim check is tests/test_gpu_te.py's")
+  reasons = plan.unmet["te-fp8"]
+  assert any("head dim 128" in r and "H=32" in r for r in reasons), reasons
+  assert any("fp8_core='fp8-or-bf16'" in r for r in reasons), reasons
+  assert not any("head dim" in r for r in attnlayers.explain("te-fp8", x, x, x, fp8_core="fp8-or-bf16").unmet.get(
+      "te-fp8", [])), "fp8-or-bf16 runs the bf16 core, which takes H 32"
+
+
 def test_fused_backend_refuses_weights_and_dropout():
   with pytest.raises(attnlayers.BackendUnavailableError, match="only 'naive' can"):
     attnlayers.attention(q, kv, kv, backend="xla", return_weights=True)

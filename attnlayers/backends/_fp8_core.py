@@ -163,16 +163,22 @@ def _attention_bwd(scale, is_causal, residuals, dout):
 attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def unmet(T: int, S: int, H: int, cc, cudnn_version) -> list[str]:
-  """Why cuDNN's FP8 attention cannot take a call (te-fp8 then refuses it, or runs bf16 if told to)."""
+def unmet(T: int, S: int, H: int, cc, cudnn_version, *, device: bool = True) -> list[str]:
+  """Why cuDNN's FP8 attention cannot take a call (te-fp8 then refuses it, or runs bf16 if told to); device=False:
+  the call's own limits only, not the GPU's and cuDNN's."""
+  reasons = _device_unmet(cc, cudnn_version) if device else []
+  if H != 128 or T % 128 or S % 128:
+    reasons.append(f"cuDNN FP8 attention (with a backward pass) needs head dim 128 and T, S multiples of 128; "
+                   f"got H={H}, T={T}, S={S}")
+  problem = api_problem()
+  return reasons + ([problem] if problem else [])
+
+
+def _device_unmet(cc, cudnn_version) -> list[str]:
   reasons = []
   if cc is None or cc[0] not in (9, 10):
     have = "no CUDA GPU" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
     reasons.append(f"cuDNN FP8 attention needs compute capability 9.x or 10.x; {have}")
   if cudnn_version is None or cudnn_version < 90100 or 91000 <= cudnn_version < 91100:
     reasons.append(f"cuDNN FP8 attention needs cuDNN >= 9.1 and not 9.10.x; have {cudnn_version}")
-  if H != 128 or T % 128 or S % 128:
-    reasons.append(f"cuDNN FP8 attention (with a backward pass) needs head dim 128 and T, S multiples of 128; "
-                   f"got H={H}, T={T}, S={S}")
-  problem = api_problem()
-  return reasons + ([problem] if problem else [])
+  return reasons

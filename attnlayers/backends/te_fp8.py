@@ -39,9 +39,10 @@ def requirements(dev: device_lib.DeviceInfo, what: str = "te-fp8 (FP8 GEMMs)") -
   return _reasons.nvidia_gpu(dev, MIN_CC, what) + _reasons.transformer_engine("te-fp8")
 
 
-def fp8_core_unmet(call: Call) -> list[str]:
-  """Why cuDNN's FP8 attention cannot take this call's core."""
-  reasons = _fp8_core.unmet(call.T, call.S, call.H, call.device.compute_capability, call.device.cudnn_version)
+def fp8_core_unmet(call: Call, *, device: bool = True) -> list[str]:
+  """Why cuDNN's FP8 attention cannot take this call's core (device=False: the call's own limits only)."""
+  reasons = _fp8_core.unmet(call.T, call.S, call.H, call.device.compute_capability, call.device.cudnn_version,
+                            device=device)
   if call.mask_shape is not None or call.bias_shape is not None:
     reasons.append("cuDNN FP8 attention takes no mask or bias (only causal or none)")
   if call.has_lengths or call.bottom_right:
@@ -61,11 +62,12 @@ def _runs_fp8(call: Call) -> bool:
 def unmet(call: Call) -> list[str]:
   reasons = requirements(call.device, NAME) + _reasons.half_precision(call, "te-fp8")
   reasons += _reasons.fused_only(call, NAME, exact_half_products=True)  # no weights or dropout, either core
+  # where the device already fails, the FP8 core's reasons about the call itself still belong in the list
+  if call.fp8_core == "fp8" and (why := fp8_core_unmet(call, device=not reasons)):
+    reasons += [f"te-fp8's FP8 attention core (fp8_core='fp8') cannot take this call: {r}" for r in why] + [
+        "pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use backend='te'"]
   if reasons:
     return reasons
-  if call.fp8_core == "fp8" and (why := fp8_core_unmet(call)):
-    return [f"te-fp8's FP8 attention core (fp8_core='fp8') cannot take this call: {r}" for r in why] + [
-        "pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use backend='te'"]
   return [] if _runs_fp8(call) else te.unmet(call, NAME)
 
 
