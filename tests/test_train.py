@@ -1,6 +1,8 @@
 """The training loop on CPU: learning, data parallelism, kill -9 and resume, divergence, bad input."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -206,6 +208,14 @@ def test_a_step_that_fails_keeps_the_record_of_the_finished_step_before_it(tmp_p
   assert sorted(losses(tmp_path / "m.jsonl")) == [1, 2]
 
 
+def _notices_for(**settings) -> list[str]:
+  """The lines loop.run prints before any work for a tiny run with these TrainConfig settings."""
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    loop._notices(loop.TrainConfig(model=models.preset("tiny", seq_len=32), sample_tokens=0, **settings))
+  return out.getvalue().splitlines()
+
+
 def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_prompt(capsys):
   """--warmup past --steps and --sample-tokens past the context run as they can, saying so before any work;
   the end-of-run sample is printed after the prompt it continues."""
@@ -217,6 +227,12 @@ def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_p
   assert "sample_tokens 200: the end-of-run sample has 24 new tokens, what fits in the 32-token context after " \
          "its 8-token prompt" in out, out
   assert out.index("warmup 5") < out.index('"event": "summary"')
+  for warmup, notice in (("3", "warmup 3 is as long as the run (3 steps): the learning rate rises for the whole run, "
+                                "to 3/4 of the peak lr, and never decays"),
+                         ("2", "warmup 2 ends at the last of 3 steps: the learning rate reaches its peak there and "
+                               "never decays"), ("1", None)):
+    notices = [line for line in _notices_for(steps=3, warmup=int(warmup)) if line.startswith("warmup")]
+    assert notices == ([notice + " (--warmup sets the warm-up)"] if notice else []), notices
   assert "prompt (the start of the first validation text):\n" in out and out.index("prompt (") < out.index("sample:\n")
 
 

@@ -470,10 +470,14 @@ def _notices(cfg: TrainConfig) -> None:
   """Says where the run will do less than a setting asks (printed before any work, by process 0)."""
   if jax.process_index() != 0:
     return
-  if cfg.warmup > cfg.steps:
-    print(f"warmup {cfg.warmup} is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} steps, so the "
-          f"learning rate rises for the whole run, to {cfg.steps}/{cfg.steps + 1} of the peak lr, and never decays "
-          "(--warmup sets the warm-up)", flush=True)
+  if cfg.warmup >= cfg.steps:
+    cut = f"is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} steps, so" if \
+        cfg.warmup > cfg.steps else f"is as long as the run ({cfg.steps} steps):"
+    print(f"warmup {cfg.warmup} {cut} the learning rate rises for the whole run, to {cfg.steps}/{cfg.steps + 1} of "
+          "the peak lr, and never decays (--warmup sets the warm-up)", flush=True)
+  elif cfg.warmup == cfg.steps - 1 and cfg.steps > 1:
+    print(f"warmup {cfg.warmup} ends at the last of {cfg.steps} steps: the learning rate reaches its peak there and "
+          "never decays (--warmup sets the warm-up)", flush=True)
   prompt_len, new = sample_lengths(cfg.model.seq_len, cfg.sample_tokens)
   if new < cfg.sample_tokens:
     print(f"sample_tokens {cfg.sample_tokens}: the end-of-run sample has {new} new tokens, what fits in the "
