@@ -79,7 +79,7 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
     return row | {"status": "unavailable" if unavailable else "error", "reason": _reasons(proc.stderr) or reason}
   s = metrics.loads([line for line in proc.stdout.splitlines() if line.startswith('{"event": "summary"')][-1])
   model = models.preset(preset, seq_len=seq_len)
-  model_flops = s["tokens_per_s"] * models.flops_per_token(model, s["params"], seq_len)
+  model_flops = s["tokens_per_s"] * models.flops_per_token(model, s["params_for_flops"], seq_len)
   return row | {"status": "ok", "steps_per_s": s["steps_per_s"], "tokens_per_s": s["tokens_per_s"],
                 "mfu": s["mfu"], "model_tflops": model_flops / 1e12,
                 "time_to_first_step_s": s["time_to_first_step_s"],

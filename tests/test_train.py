@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import models
 from train import cli, data, loop
@@ -54,6 +55,9 @@ def test_loss_falls_on_tiny(tmp_path):
   assert curve[0] - np.mean(end) > 5 * np.std(end), curve
   assert np.mean(end) < np.log(256), curve
   assert len(summary["sample"]) > 0 and summary["tokens_per_s"] > 0
+  model = models.GPT(cfg.model, rngs=nnx.Rngs(0))
+  assert summary["params"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))  # biases, norms too
+  assert summary["params_for_flops"] == models.count_params(model) < summary["params"]
   assert summary["kernels"] == ("pallas" if jax.default_backend() == "gpu" and jax.device_count() == 1 else "xla")
 
 
@@ -329,8 +333,6 @@ def test_stdlib_corpus_is_split_by_file():
 
 def _fp8_state():
   """The FP8 scaling state of a te-fp8 layer (built here without running it), made distinct."""
-  from flax import nnx
-
   from attnlayers.fp8 import FP8Meta
   from attnlayers.nnx import MultiHeadAttention
   layer = MultiHeadAttention(2, 16, backend="te-fp8", decode=False, rngs=nnx.Rngs(0))

@@ -446,7 +446,9 @@ def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset)
   cfg, mcfg = s.cfg, s.cfg.model
   steps_per_s = s.throughput.steady_steps_per_s()
   summary = {
-      "event": "summary", "steps": cfg.steps, "final_loss": loss, "params": s.model.n_params,
+      "event": "summary", "steps": cfg.steps, "final_loss": loss,
+      "params": sum(x.size for x in jax.tree.leaves(state["params"])),  # every trained parameter
+      "params_for_flops": s.model.n_params,  # N of the MFU count: the weights that multiply activations
       "final_val_loss": s.val_loss[max(s.val_loss)] if s.val_loss else None,
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
