@@ -116,6 +116,18 @@ def test_a_damaged_newest_step_falls_back_to_the_older_one_untouched(trained, tm
   assert snapshot(copy) == before  # reported, not set aside: that is the trainer's call
 
 
+def test_newer_step_folders_without_a_manifest_are_named_when_an_older_step_is_sampled(trained, tmp_path, capsys):
+  copy = tmp_path / "run"
+  shutil.copytree(trained[1], copy)
+  os.remove(copy / "4" / "attnlayers.json")  # a step folder the trainer did not seal (or someone else's)
+  os.mkdir(copy / "9")
+  code, out, err = sample_main(["--ckpt-dir", str(copy), "--tokens", "3"], capsys)
+  assert code == 0 and f"{copy}: step 2" in out, err
+  assert f"skipped step folder {copy / '4'}: it has no attnlayers.json, so it is not a checkpoint python -m train " \
+         "sealed" in err, err
+  assert f"skipped step folder {copy / '9'}: it is empty" in err, err
+
+
 def _copy_damaged(trained, d):
   shutil.copytree(trained[1], d / "run")
   for step in ("2", "4"):
