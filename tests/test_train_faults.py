@@ -401,13 +401,17 @@ def test_a_checkpoint_from_before_the_decay_rule_was_recorded_resumes_only_where
   assert cli.parser().parse_args(["--allow-change", "decay-rule"]).allow_change == ["decay_rule"]
 
 
-def test_steps_below_the_checkpoint_are_refused_and_nothing_is_written(ckpt, tmp_path, capsys):
+@pytest.mark.parametrize("allow", [["--allow-change", "steps"], []], ids=["allowed", "not-allowed"])
+def test_steps_below_the_checkpoint_are_refused_and_nothing_is_written(ckpt, tmp_path, capsys, allow):
+  """With or without --allow-change steps the refusal says there is nothing to train (never suggesting
+  --allow-change steps, which would be refused next)."""
   before = sorted(os.listdir(ckpt))
   with pytest.raises(SystemExit) as e:
-    cli.main([*TINY, "--steps", "15", "--ckpt-every", "10", "--ckpt-dir", str(ckpt), "--allow-change", "steps",
+    cli.main([*TINY, "--steps", "15", "--ckpt-every", "10", "--ckpt-dir", str(ckpt), *allow,
               "--metrics", str(tmp_path / "m.jsonl")])
   err = capsys.readouterr().err
   assert e.value.code == 2 and f"{ckpt} holds step 20, past --steps 15: there is nothing to train" in err, err
+  assert "--allow-change" not in err, err
   assert sorted(os.listdir(ckpt)) == before and not (tmp_path / "m.jsonl").read_text()
 
 

@@ -252,11 +252,11 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile)
           "this run would save those steps there: move them, or give another --ckpt-dir")
   if step is None:
     return 0
-  changes = ckpts.check_resume(step, meta, cfg.allow_change)
-  if step > cfg.steps:  # (--allow-change steps let it shrink)
+  if step > cfg.steps:  # before the settings' check, which would offer --allow-change steps for it
     raise checkpoint.ResumeMismatchError(
         f"{ckpts.directory} holds step {step}, past --steps {cfg.steps}: there is nothing to train. Give --steps "
         f"above {step} to train on from it, or sample from it: python -m sample --ckpt-dir {ckpts.directory}")
+  changes = ckpts.check_resume(step, meta, cfg.allow_change)
   out.write({"event": "resume", "step": step, "ckpt_dir": ckpts.directory, "changed": changes})
   for k, c in changes.items():
     print(f"--allow-change {k}: {c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
