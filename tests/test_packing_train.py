@@ -218,7 +218,8 @@ def test_python_m_sample_rebuilds_the_window(packed_run, capsys):
 
 
 @pytest.mark.parametrize("flags, difference", [
-    (["--no-pack", "--window", "8"], "pack: checkpoint True, now False"),
+    (["--no-pack", "--window", "8"],
+     "pack: checkpoint True, now False (python -m train sets it with --pack / --no-pack)"),
     (["--pack"], "model.window: checkpoint 8, now None"),
     (["--pack", "--window", "4"], "model.window: checkpoint 8, now 4"),
     (["--pack", "--window", "8", "--window-pattern", "local,global"],

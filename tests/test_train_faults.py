@@ -435,3 +435,12 @@ def test_refusals_name_the_flags_that_do_what_the_library_message_says(tmp_path,
     cli.main([*TINY, "--steps", "1", "--ckpt-dir", str(tmp_path / "c"), *flags])
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.strip().splitlines()[-1].startswith(hint), err
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU cudnn runs")
+@pytest.mark.parametrize("dtype, says_dtype", [("float32", True), ("bfloat16", False)])
+def test_the_backend_hint_names_dtype_only_where_it_was_not_given_as_half(tmp_path, capsys, dtype, says_dtype):
+  with pytest.raises(SystemExit):
+    cli.main([*TINY, "--steps", "1", "--ckpt-dir", str(tmp_path / "c"), "--attn", "cudnn", "--dtype", dtype])
+  hint = capsys.readouterr().err.strip().splitlines()[-1]
+  assert ("--dtype bfloat16 (or float16 on a GPU)" in hint) == says_dtype, hint

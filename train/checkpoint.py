@@ -215,6 +215,10 @@ MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "n_kv_head": "--kv-
                "window_pattern": "--window-pattern", "bias": "--bias / --no-bias"}
 
 
+META_FLAGS = {"seed": "--seed", "data": "--data", "pack": "--pack / --no-pack", "model": "the model's flags",
+              "run": "the run's flags"}  # what sets each top-level entry of a checkpoint's meta
+
+
 def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_change=()) -> dict:
   """Refuses a resume that would not continue the saved run; returns the changes `allow_change` accepts.
 
@@ -238,7 +242,7 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
                   f" (python -m train sets it with {MODEL_FLAGS[k]})" if key == "model" and k in MODEL_FLAGS else "")
           diffs.append(f"{key}.{k}: checkpoint {was!r}, now {b.get(k)!r}{hint}")
     elif a != b:
-      diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")
+      diffs.append(f"{key}: checkpoint {a!r}, now {b!r} (python -m train sets it with {META_FLAGS[key]})")
   if diffs:
     raise ResumeMismatchError(
         f"cannot resume from {directory} (step {step}): it was written by a different run:\n  " + "\n  ".join(diffs)
