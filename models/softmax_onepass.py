@@ -26,14 +26,15 @@ must have float32's exponent range (bfloat16, float32): e can reach exp(LIMIT) a
 as small as 1 / (V exp(LIMIT)); float16 takes models.softmax_grad.
 
 Numerics: each e is float32, rounded once to the output dtype, as models.softmax_grad rounds
-softmax - onehot. The target's entry is never rounded: a is a float32 ratio of two float32 sums,
-the other entries' and the whole row's, so p(target) - 1 keeps its relative precision however close
-p(target) comes to 1 (a confident prediction). Taking it as e_target * r - 1 after the GEMMs instead,
-with e_target rounded to bfloat16, loses it there: at 1 - p(target) = 4.7e-4 the relative errors of dh
-and dw were 3.93 and 5.99, against 1.42e-3 and 1.44e-3 now (tests/test_loss.py); rounding e - s at
-the target as a whole loses precision at a flat softmax instead. models.loss also rounds h / s to the compute dtype for dw's GEMM. A padding row (real 0)
-gets r = a = 0 and its row of e is left as computed (its logits are finite: padding h is 0), so
-that the scalings zero it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
+softmax - onehot. The target's entry is never rounded: a is minus a float32 ratio of two float32
+sums, the other entries' and the whole row's, so p(target) - 1 keeps its relative precision however
+close p(target) comes to 1 (a confident prediction). Taking it as e_target * r - 1 after the GEMMs
+instead, with e_target rounded to bfloat16, loses it there: at 1 - p(target) = 4.7e-4, the target
+after the first block, the relative errors of dh and dw were 3.93 and 5.99, against 1.42e-3 and
+1.44e-3 now (tests/test_loss.py); rounding e - s at the target as a whole loses precision at a flat
+softmax instead. models.loss also rounds h / s to the compute dtype for dw's GEMM. A padding row
+(real 0) gets r = a = 0 and its row of e is left as computed (its logits are finite: padding h is
+0), so that the scalings zero it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
 
 models.kernels says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any
 backend (slowly), which is how the CPU tests check it.

@@ -119,18 +119,23 @@ def test_bad_targets_and_a_padding_row_that_is_not_finite():
 @pytest.mark.parametrize("out", ["bfloat16", "float32"])
 def test_a_confident_row_keeps_p_minus_1_to_float32_precision(out):
   """1 - p(target) from about 6e-6 down to 8e-10, the target in the first block (the shift is its logit) or after
-  it: a = p - 1 within 1e-5 of float64, relative to its own small size, whatever e is rounded to. (e_target * r - 1
+  it, and about 1e-20 with the target past LIMIT (the second sweep): a = p - 1 within 1e-5 of float64, relative to
+  its own small size, whatever e is rounded to. (e_target * r - 1
   from a rounded e_target is off by up to 2^-9 absolute in bfloat16, 6e-8 in float32; (e_target - s) / s by s's
   rounding, about 6e-8: both far more than 1 - p here.)"""
   V = 3 * BLOCK
   rng = np.random.default_rng(6)
-  x = rng.normal(size=(8, V)).astype(np.float32)
-  t = np.array([3, 2 * BLOCK + 5] * 4)
-  margins = np.repeat([12.0, 14.0, 17.0, 21.0], 2)  # above the other logits' log-sum-exp, about log V + 0.5
-  x[np.arange(8), t] = margins + np.log(np.exp(x.astype(np.float64)).sum(1)).astype(np.float32)
-  _, _, _, _, a = _run(x, t, np.ones(8, np.float32), jnp.dtype(out))
-  want = _softmax64(x)[np.arange(8), t] - 1  # (8,) about -6e-6 to -8e-10
-  assert np.all(want > -1e-5) and np.all(want < -1e-10), want
+  x = rng.normal(size=(10, V)).astype(np.float32)
+  t = np.array([3, 2 * BLOCK + 5] * 5)
+  margins = np.repeat([12.0, 14.0, 17.0, 21.0, 45.0], 2)  # above the other logits' log-sum-exp, about log V + 0.5
+  x[np.arange(10), t] = margins + np.log(np.exp(x.astype(np.float64)).sum(1)).astype(np.float32)
+  _, _, _, e, a = _run(x, t, np.ones(10, np.float32), jnp.dtype(out))
+  numerators = np.exp(x.astype(np.float64) - x.max(1, keepdims=True))  # (10, V)
+  whole = numerators.sum(1)
+  numerators[np.arange(10), t] = 0
+  want = -numerators.sum(1) / whole  # (10,) p(target) - 1 without cancelling: about -6e-6 down to -2e-20
+  assert np.all(want[:8] > -1e-5) and np.all(want[:8] < -1e-10) and np.all(want[8:] > -1e-18), want
+  assert e[9].max() < 1e-15  # row 9: its target lies past LIMIT above its first block, so it was swept again
   np.testing.assert_allclose(a, want, rtol=1e-5)
 
 

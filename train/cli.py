@@ -193,7 +193,8 @@ def _flag_hint(e: Exception, a: argparse.Namespace) -> str:
   """The flags that do what a library message suggests in Python terms (backend=..., dtype=..., kernel=...)."""
   if isinstance(e, attnlayers.BackendUnavailableError):
     core = ", --fp8-core fp8-or-bf16 te-fp8's core where it cannot run in FP8" if "fp8_core=" in str(e) else ""
-    dtype = "" if a.dtype in ("bfloat16", "float16") else ", --dtype bfloat16 (or float16 on a GPU) the compute dtype"
+    half = (a.dtype or models.preset(a.preset).dtype) in ("bfloat16", "float16")  # given, or the preset's
+    dtype = "" if half else ", --dtype bfloat16 (or float16 on a GPU) the compute dtype"
     return f"\nhere: --attn NAME picks the backend{dtype}{core}"
   if a.kernels == "pallas" and "kernel='pallas'" in str(e):
     return "\nhere: --kernels xla, interpret or auto"

@@ -165,7 +165,7 @@ attention.defvjp(_attention_fwd, _attention_bwd)
 
 def unmet(T: int, S: int, H: int, cc, cudnn_version, *, device: bool = True) -> list[str]:
   """Why cuDNN's FP8 attention cannot take a call (te-fp8 then refuses it, or runs bf16 if told to); device=False:
-  the call's own limits only, not the GPU's and cuDNN's."""
+  not the GPU's and cuDNN's, only the call's own limits and jax's API (api_problem)."""
   reasons = _device_unmet(cc, cudnn_version) if device else []
   if H != 128 or T % 128 or S % 128:
     reasons.append(f"cuDNN FP8 attention (with a backward pass) needs head dim 128 and T, S multiples of 128; "

@@ -60,10 +60,12 @@ def _runs_fp8(call: Call) -> bool:
 
 
 def unmet(call: Call) -> list[str]:
-  reasons = requirements(call.device, NAME) + _reasons.half_precision(call, "te-fp8")
+  device = requirements(call.device, NAME)
+  reasons = device + _reasons.half_precision(call, "te-fp8")
   reasons += _reasons.fused_only(call, NAME, exact_half_products=True)  # no weights or dropout, either core
-  # where the device already fails, the FP8 core's reasons about the call itself still belong in the list
-  if call.fp8_core == "fp8" and (why := fp8_core_unmet(call, device=not reasons)):
+  # the FP8 core's reasons belong in the list too; where te-fp8's device requirements fail, its own device reasons
+  # would only repeat them, so then only those about the call itself
+  if call.fp8_core == "fp8" and (why := fp8_core_unmet(call, device=not device)):
     reasons += [f"te-fp8's FP8 attention core (fp8_core='fp8') cannot take this call: {r}" for r in why] + [
         "pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use backend='te'"]
   if reasons:
