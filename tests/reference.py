@@ -96,9 +96,9 @@ def forward(q, k, v, *, mask=None, is_causal=False, scale=None, bias=None, query
   scores = q k^T * scale (default 1/sqrt(H)) + bias (broadcastable to (B, N, T, S)), then
   `allowed` (mask, causal limit, per-row lengths and alignment), then softmax over S. A
   query with no allowed key (padding, or left without a key by lengths/causality) has
-  probabilities 0 and outputs exactly 0, as attnlayers.attention promises. (Its promise
-  covers rows emptied by lengths/causality; the tests keep key 0 in every mask row, so
-  the mask alone never empties one.)
+  probabilities 0 and outputs exactly 0, as attnlayers.attention promises, whatever empties
+  the row: lengths, causality, segments, the window, the mask, or the mask and one of the
+  others together.
   """
   q = np.asarray(q, np.float64)
   B, T, N, H = q.shape

@@ -52,6 +52,17 @@ def test_cudnn_causal_window_with_lengths_matches_reference():
   check("cudnn", "GQA", window=(16, 0), is_causal=True, q_len=[128, 90, 1], kv_len=[128, 100, 64], **BF16)
 
 
+@pytest.mark.parametrize("backend", ["cudnn", pytest.param("te", marks=needs_te)])
+def test_a_row_the_mask_and_causality_empty_together_outputs_zero(backend):
+  """The kernels take the mask as a bias: a query whose only causal keys the mask drops would put all its weight
+  on them (or average every key); the rule says zeros (tests/test_packing_core has the CPU backends' cases)."""
+  mask = np.ones((3, 1, 128, 128), bool)
+  mask[0, 0, 0, 0] = False  # row 0, query 0: causality leaves key 0 only
+  mask[1, 0, 5, :6] = False  # row 1, query 5: keys 0-5
+  empty = check(backend, "GQA", is_causal=True, mask=jnp.asarray(mask), **BF16)
+  assert empty[0, 0].all() and empty[1, 5].all() and empty.sum() == 2 * empty.shape[-1]
+
+
 def test_cudnn_window_runs_in_cudnn_with_its_band():
   q, k, v = qkv()
   text = compiled_text(grad_fn("cudnn", is_causal=True, window=(31, 0)), q, k, v)

@@ -36,13 +36,13 @@ def packed(B: int, T: int, seed: int, *, padding_row: bool = True) -> np.ndarray
 
 
 def check(backend, heads, *, T=12, S=None, B=3, masked=False, is_causal=False, window=None, segment_ids=None,
-          q_len=None, kv_len=None, alignment="top-left", seed=0, dtype=jnp.float32, head_dim=H, max_segments=None):
+          q_len=None, kv_len=None, alignment="top-left", seed=0, dtype=jnp.float32, head_dim=H, max_segments=None,
+          mask=None):
   """Outputs and gradients against the reference; exact zeros for queries with no allowed key. Returns that
-  (B, T, N) bool."""
+  (B, T, N) bool. mask: the caller's, bool broadcastable to (B, N, T, S) (masked: a random one instead)."""
   S = T if S is None else S
   case = dict(heads=heads, causal=is_causal, masked=False, dtype=dtype)
   q, k, v, dout, _ = cases.inputs(case, B=B, T=T, S=S, H=head_dim, seed=seed)
-  mask = None
   if masked:  # random, but each query keeps its own position (T == S): the mask alone empties no row
     mask = jax.random.bernoulli(jax.random.key(seed + 7), 0.6, (B, 1, T, S)) | jnp.eye(T, S, dtype=bool)
   seg = None if segment_ids is None else (jnp.asarray(segment_ids) if not isinstance(segment_ids, tuple)
@@ -210,6 +210,29 @@ def test_a_row_the_mask_empties_outputs_zero(backend):
   for got, ref in zip(grads, reference.gradients(*qkv, np.asarray(dout), mask=np.asarray(mask))):
     assert np.isfinite(np.asarray(got)).all()
     reference.assert_close(got, ref, jnp.float32, "grad")
+
+
+EMPTIED_TOGETHER = {  # (the rule, a mask that leaves some query no key the rule allows, though its mask row is not
+    # all False): row 0, query 0 or 5 (B=2, T=S=8)
+    "causal": dict(is_causal=True),  # query 0 may see key 0 only; the mask drops key 0
+    "window": dict(window=(0, 0)),  # each query sees itself only; the mask drops key 5 for query 5
+    "lengths": dict(kv_len=[3, 8]),  # row 0 has 3 keys; the mask gives query 5 only keys 3 and up
+    "segments": dict(segment_ids=np.array([[1, 1, 1, 1, 1, 2, 2, 2], [1] * 8], np.int32)),  # query 5: keys 5-7
+}
+
+
+@pytest.mark.parametrize("rule", EMPTIED_TOGETHER)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_the_mask_and_the_rule_empty_together_outputs_zero(backend, rule):
+  """A mask row with keys left, none of them one the rule allows the query: zeros and zero gradients, as the
+  reference; not the average over every key, future ones included, that a softmax over no allowed key gives."""
+  mask = np.ones((2, 1, 8, 8), bool)
+  mask[0, 0, 0, 0] = False  # query 0: every key but 0
+  mask[0, 0, 5, 5:] = False  # query 5: keys 0-4
+  mask[0, 0, 5, :3] = rule != "lengths"  # lengths: keys 3-4 only, past row 0's 3
+  empty = check(backend, "GQA", T=8, B=2, mask=jnp.asarray(mask), **EMPTIED_TOGETHER[rule])
+  assert empty[0, 0].all() or empty[0, 5].all(), f"{rule}: the case empties no row"
+  assert mask[0, 0, 0].any() and mask[0, 0, 5].any()  # the mask alone empties none
 
 
 def test_packed_layout_relabels_runs_and_flags_ids_it_cannot_hold():

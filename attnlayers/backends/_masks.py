@@ -104,9 +104,10 @@ def finish(out, opts: Options, S: int):
   valid = rows(opts, B, T, S)
   if valid is not None:
     valid = valid[:, :, None, None]  # (B, T, 1, 1)
-  if opts.mask is not None:  # a query whose mask row is all False: zeros too, not a uniform average
-    mask = opts.mask.reshape((1,) * (4 - opts.mask.ndim) + opts.mask.shape)  # (B|1, N|1, T|1, S|1)
-    some = jnp.any(mask, axis=-1).transpose(0, 2, 1)[..., None]  # (B|1, T|1, N|1, 1)
+  if opts.mask is not None:  # a query the mask leaves no key the rule allows (or none at all): zeros too, not the
+    # uniform average over every key, future ones included, that the kernels' softmax of equal scores gives
+    keep = allowed(opts, B, T, S)  # (B|1, N|1, T|1, S|1): the rule and the mask together
+    some = jnp.any(keep, axis=-1).transpose(0, 2, 1)[..., None]  # (B|1, T|1, N|1, 1)
     valid = some if valid is None else valid & some
   if valid is None:
     return out
