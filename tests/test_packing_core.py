@@ -132,6 +132,19 @@ def test_bad_segments_and_windows_raise(bad, entry):
     call()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_segment_ids_under_jit_make_their_rows_nan(backend):
+  """Traced ids cannot raise (eagerly a negative id is refused): a row holding one, in the queries' or the keys'
+  ids, is NaN rather than a document of its own; the other rows are untouched."""
+  q, k, v, _, _ = cases.inputs(dict(heads="GQA", causal=True, masked=False, dtype=jnp.float32), B=3, T=8, S=8, H=H)
+  run = jax.jit(lambda ids, kv_ids: attnlayers.attention(q, k, v, backend=backend, is_causal=True,
+                                                         segment_ids=(ids, kv_ids)))
+  good = jnp.asarray(np.repeat([[1, 1, 1, 2, 2, 2, 0, 0]], 3, axis=0), jnp.int32)  # (B, T)
+  out = np.asarray(run(good.at[1, 5].set(-1), good.at[2, 0].set(-3)))  # row 1: a query's id; row 2: a key's
+  assert np.isnan(out[1]).all() and np.isnan(out[2]).all()
+  np.testing.assert_array_equal(out[0], np.asarray(run(good, good))[0])
+
+
 def test_reference_rule_by_hand():
   """The reference's own rule on a small case, written out: two documents, a padding tail, window (1, 0)."""
   keep = reference.allowed(5, 5, is_causal=True, segment_ids=np.array([[1, 1, 2, 2, 0]]), window=(1, 0))

@@ -3,8 +3,9 @@
 The rule (attnlayers.spec): query (b, t), at position p = t (or t + Sb - Tb bottom-right), may
 attend key s iff t < Tb, s < Sb, s <= p if causal, its segment id equals the key's and is not 0,
 p - left <= s <= p + right for a window, and the caller's mask. A query that is padding or that
-this rule leaves without a key outputs exactly 0, on every backend (`finish`), with zero gradients. Lengths outside [0, T] / [0, S] that were traced (so
-spec.describe could not reject them) make their row NaN rather than silently wrong.
+this rule leaves without a key outputs exactly 0, on every backend (`finish`), with zero gradients. Lengths outside
+[0, T] / [0, S] and negative segment ids that were traced (so spec.describe could not reject them) make their row
+NaN rather than silently wrong.
 """
 
 from __future__ import annotations
@@ -109,11 +110,15 @@ def finish(out, opts: Options, S: int):
     keep = allowed(opts, B, T, S)  # (B|1, N|1, T|1, S|1): the rule and the mask together
     some = jnp.any(keep, axis=-1).transpose(0, 2, 1)[..., None]  # (B|1, T|1, N|1, 1)
     valid = some if valid is None else valid & some
-  if valid is None:
+  if valid is not None:
+    out = jnp.where(valid, out, jnp.zeros((), out.dtype))
+  in_range = jnp.ones((B,), jnp.bool_)  # rows whose traced lengths and ids spec.describe could not check
+  if opts.has_lengths:
+    q_len, kv_len = lengths(opts, B, T, S)
+    in_range &= (q_len >= 0) & (q_len <= T) & (kv_len >= 0) & (kv_len <= S)  # (B,)
+  if opts.has_segments:
+    q_ids, kv_ids = segment_ids(opts)
+    in_range &= (jnp.min(q_ids, axis=1) >= 0) & (jnp.min(kv_ids, axis=1) >= 0)  # (B,) ids are 0 (padding) or more
+  if not (opts.has_lengths or opts.has_segments):
     return out
-  out = jnp.where(valid, out, jnp.zeros((), out.dtype))
-  if not opts.has_lengths:
-    return out
-  q_len, kv_len = lengths(opts, B, T, S)
-  in_range = (q_len >= 0) & (q_len <= T) & (kv_len >= 0) & (kv_len <= S)  # (B,)
   return jnp.where(in_range[:, None, None, None], out, jnp.full((), jnp.nan, out.dtype))
