@@ -30,6 +30,9 @@ def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=N
   validates them the same way; runs nothing. `str(plan)` is a readable report; `plan.chosen`,
   `plan.unmet`, `plan.runnable`, `plan.notes` are the facts.
   """
+  if not isinstance(backend, str):
+    raise TypeError(f"explain takes the backend first: explain(backend, q, k, v, ...), e.g. explain('auto', q, k, v) "
+                    f"(attention() takes it as backend=...); got {type(backend).__name__} as the backend")
   return _plan(backend, q, k, v, is_causal=is_causal, mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate,
                dropout_rng=dropout_rng if dropout_rate else None, broadcast_dropout=broadcast_dropout,
                precision=precision, return_weights=return_weights, fp8_core=fp8_core,

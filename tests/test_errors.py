@@ -117,6 +117,11 @@ def test_fused_backend_refuses_weights_and_dropout():
     attnlayers.attention(q, kv, kv, backend="xla", dropout_rate=0.1, dropout_rng=jax.random.key(0))
 
 
+def test_explain_with_the_backend_out_of_place_says_where_it_goes():
+  with pytest.raises(TypeError, match=r"explain takes the backend first: explain\(backend, q, k, v, ...\)"):
+    attnlayers.explain(q, kv, kv, "auto")
+
+
 def test_auto_reports_its_choice():
   plan = attnlayers.explain("auto", q, kv, kv, is_causal=True)
   assert plan.chosen == "xla"  # float32 never goes to cudnn, on any machine

@@ -66,8 +66,9 @@ def unmet(call: Call) -> list[str]:
   # the FP8 core's reasons belong in the list too; where te-fp8's device requirements fail, its own device reasons
   # would only repeat them, so then only those about the call itself
   if call.fp8_core == "fp8" and (why := fp8_core_unmet(call, device=not device)):
-    reasons += [f"te-fp8's FP8 attention core (fp8_core='fp8') cannot take this call: {r}" for r in why] + [
-        "pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use backend='te'"]
+    core = [f"te-fp8's FP8 attention core (fp8_core='fp8') cannot take this call: {r}" for r in why]
+    core[-1] += "; pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use backend='te'"
+    reasons += core
   if reasons:
     return reasons
   return [] if _runs_fp8(call) else te.unmet(call, NAME)
