@@ -61,6 +61,10 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   is_causal: bool = False
   sliding_window: tuple[int, int] | None = None  # default window=(left, right) of every call; None: no window
 
+  def __post_init__(self):
+    backends.check_name(self.backend)  # an unknown name fails where the layer is made, as the nnx layer's does
+    super().__post_init__()
+
   def _attention_fn(self) -> Callable:
     backends.check_name(self.backend)
     if self.backend == "te-fp8":

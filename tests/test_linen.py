@@ -212,3 +212,9 @@ def test_mask_passed_positionally_warns_as_flax():
         layer.apply(v, x, x, mask)
     messages.append([str(w.message) for w in record if w.category is DeprecationWarning])
   assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("cls", [al.MultiHeadDotProductAttention, al.SelfAttention])
+def test_an_unknown_backend_is_refused_where_the_layer_is_made(cls):
+  with pytest.raises(ValueError, match="unknown attention backend 'flash'; known backends: auto, naive, xla"):
+    cls(num_heads=2, backend="flash")
