@@ -67,7 +67,9 @@ def unmet(call: Call) -> list[str]:
   # would only repeat them, so then only those about the call itself
   if call.fp8_core == "fp8" and (why := fp8_core_unmet(call, device=not device)):
     core = [f"te-fp8's FP8 attention core (fp8_core='fp8') cannot take this call: {r}" for r in why]
-    core[-1] += "; pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use backend='te'"
+    if "fp8-or-bf16" not in core[-1]:  # the segments/window/lengths reasons name it themselves
+      core[-1] += "; pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use " \
+                  "backend='te'"
     reasons += core
   if reasons:
     return reasons
