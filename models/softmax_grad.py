@@ -45,23 +45,8 @@ def softmax_grad(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Fl
   real is 1 for a token and 0 for padding. A padding row's loss is 0, and its gradient row 0 where the
   row is finite (head_cross_entropy pads with zero logits). A token whose target lies outside [0, V)
   (unchecked under jit) gets a NaN loss and softmax as its gradient row."""
-  C, V = logits.shape
-  if targets.shape != (C,) or real.shape != (C,):
-    raise ValueError(f"targets and real must be (C,) = ({C},); got {tuple(targets.shape)}, {tuple(real.shape)}")
-  blocks = -(-V // BLOCK)
-  row = lambda i: (i, 0)
-  one = lambda i: (i,)
-  g, nll = pl.pallas_call(
-      functools.partial(_kernel, blocks=blocks),
-      grid=(C,),
-      in_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
-      out_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one)],
-      out_shape=[jax.ShapeDtypeStruct((C, V), jnp.dtype(out_dtype)), jax.ShapeDtypeStruct((C,), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
-      interpret=interpret,
-  )(logits, targets.astype(jnp.int32), real.astype(jnp.float32))
-  nll = jnp.where((targets < 0) | (targets >= V), jnp.nan, nll)  # (C,) the kernel would read another logit
-  return g, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
+  kernel = functools.partial(_kernel, blocks=-(-logits.shape[1] // BLOCK))
+  return tiling.row_call(kernel, logits, targets, real, out_dtype, 1, warps=WARPS, interpret=interpret)
 
 
 def _kernel(x_ref, t_ref, real_ref, g_ref, nll_ref, *, blocks: int):

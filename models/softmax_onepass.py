@@ -65,26 +65,11 @@ def softmax_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: 
   out_dtype (bfloat16 or float32, 0 at each row's target), r and a float32 (0 for padding; a = p(target) - 1), and
   -log softmax(logits)[target] (float32; 0 for padding). real is 1 for a token and 0 for padding. A token whose
   target lies outside [0, V) (unchecked under jit) gets a NaN loss."""
-  C, V = logits.shape
-  if targets.shape != (C,) or real.shape != (C,):
-    raise ValueError(f"targets and real must be (C,) = ({C},); got {tuple(targets.shape)}, {tuple(real.shape)}")
   if jnp.dtype(out_dtype) not in DTYPES:
     raise ValueError(f"out_dtype must be bfloat16 or float32 (float32's exponent range: e reaches exp({LIMIT})); "
                      f"got {jnp.dtype(out_dtype)}. float16 takes models.softmax_grad")
-  row = lambda i: (i, 0)
-  one = lambda i: (i,)
-  per_row = jax.ShapeDtypeStruct((C,), jnp.float32)
-  e, r, a, nll = pl.pallas_call(
-      functools.partial(_kernel, blocks=-(-V // BLOCK)),
-      grid=(C,),
-      in_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
-      out_specs=[pl.BlockSpec((None, V), row)] + [pl.BlockSpec((1,), one)] * 3,
-      out_shape=[jax.ShapeDtypeStruct((C, V), jnp.dtype(out_dtype)), per_row, per_row, per_row],
-      compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
-      interpret=interpret,
-  )(logits, targets.astype(jnp.int32), real.astype(jnp.float32))
-  nll = jnp.where((targets < 0) | (targets >= V), jnp.nan, nll)  # (C,) the kernel would read another logit
-  return e, r, a, jnp.where(real > 0, nll, 0.0)  # (C,) padding: 0 even where its row is not finite
+  kernel = functools.partial(_kernel, blocks=-(-logits.shape[1] // BLOCK))
+  return tiling.row_call(kernel, logits, targets, real, out_dtype, 3, warps=WARPS, interpret=interpret)
 
 
 def _kernel(x_ref, t_ref, real_ref, e_ref, r_ref, a_ref, nll_ref, *, blocks: int):

@@ -5,6 +5,7 @@ Letters: N rows, D features (the last axis).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -40,3 +41,27 @@ def row_block(ref, j, lane):
   valid = idx < V
   x = plgpu.load(ref.at[pl.ds(j * block, block)], mask=valid, other=-jnp.inf)
   return x.astype(jnp.float32), idx, valid
+
+
+def row_call(kernel, logits, targets, real, out_dtype, per_row: int, *, warps: int, interpret: bool):
+  """The loss's row kernels over a (C, V) chunk of logits: one program per row, given its logits, target and
+  real (1: a token, 0: padding), writing a (C, V) block in out_dtype and `per_row` (C,) float32 values, the last
+  the loss. That loss comes back NaN for a target outside [0, V) (the kernel would read another logit) and 0
+  for padding, even where its row is not finite."""
+  C, V = logits.shape
+  if targets.shape != (C,) or real.shape != (C,):
+    raise ValueError(f"targets and real must be (C,) = ({C},); got {tuple(targets.shape)}, {tuple(real.shape)}")
+  row = lambda i: (i, 0)
+  one = lambda i: (i,)
+  *outs, nll = pl.pallas_call(
+      kernel,
+      grid=(C,),
+      in_specs=[pl.BlockSpec((None, V), row), pl.BlockSpec((1,), one), pl.BlockSpec((1,), one)],
+      out_specs=[pl.BlockSpec((None, V), row)] + [pl.BlockSpec((1,), one)] * per_row,
+      out_shape=[jax.ShapeDtypeStruct((C, V), jnp.dtype(out_dtype))] + [jax.ShapeDtypeStruct((C,), jnp.float32)]
+      * per_row,
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+      interpret=interpret,
+  )(logits, targets.astype(jnp.int32), real.astype(jnp.float32))
+  nll = jnp.where((targets < 0) | (targets >= V), jnp.nan, nll)  # (C,)
+  return (*outs, jnp.where(real > 0, nll, 0.0))
