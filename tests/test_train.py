@@ -231,11 +231,11 @@ def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_p
   assert "sample_tokens 200: the end-of-run sample has 24 new tokens, what fits in the 32-token context after " \
          "its 8-token prompt" in out, out
   assert out.index("warmup 5") < out.index('"event": "summary"')
-  for warmup, notice in (("3", "warmup 3 is as long as the run (3 steps): the learning rate rises for the whole run, "
-                                "to 3/4 of the peak lr, and never decays"),
-                         ("2", "warmup 2 ends at the last of 3 steps: the learning rate reaches its peak there and "
-                               "never decays"), ("1", None)):
-    notices = [line for line in _notices_for(steps=3, warmup=int(warmup)) if line.startswith("warmup")]
+  for warmup, notice in ((3, "warmup 3 is as long as the run (3 steps): the learning rate rises for the whole run, "
+                              "to 3/4 of the peak lr, and never decays"),
+                         (2, "warmup 2 ends at the last of 3 steps: the learning rate reaches its peak there and "
+                             "never decays"), (1, None)):
+    notices = [line for line in _notices_for(steps=3, warmup=warmup) if line.startswith("warmup")]
     assert notices == ([notice + " (--warmup sets the warm-up)"] if notice else []), notices
   assert "prompt (the start of the first validation text):\n" in out and out.index("prompt (") < out.index("sample:\n")
 
