@@ -331,6 +331,21 @@ def test_stdlib_corpus_is_split_by_file():
   assert not any(v is t for v in ds.val for t in ds.train)
 
 
+def test_a_prompt_from_a_file_cut_for_validation_starts_at_a_line(tmp_path, capsys):
+  """A single file keeps its last 10% for validation, cut at a byte count: the end-of-run sample's prompt
+  starts after the first newline there, not mid-word; the stdlib split (whole held-out files) starts at 0."""
+  text = "".join(f"line number {i} of the file\n" for i in range(200)).encode()
+  (tmp_path / "t.txt").write_bytes(text)
+  ds = data.load(str(tmp_path / "t.txt"), 32)
+  cut = int(len(text) * 0.9)
+  assert text[cut - 1:cut] != b"\n" and ds.prompt_start > 0  # the cut fell mid-line
+  assert bytes(ds.val[0][ds.prompt_start:]).startswith(b"line number ") and ds.val[0][ds.prompt_start - 1] == 10
+  assert data.load(None, 128).prompt_start == 0
+  cli.main(["--preset", "tiny", "--seq-len", "32", "--batch-size", "4", "--steps", "1", "--data", str(tmp_path / "t.txt"),
+            "--sample-tokens", "4", "--eval-every", "0", "--no-progress", "--no-ckpt"])
+  assert "prompt (the start of the first validation text):\nline number " in capsys.readouterr().out
+
+
 def _fp8_state():
   """The FP8 scaling state of a te-fp8 layer (built here without running it), made distinct."""
   from attnlayers.fp8 import FP8Meta

@@ -49,6 +49,7 @@ class Dataset:
   train: list[np.ndarray]  # 1-d token arrays (uint8 bytes or uint16 GPT-2 ids), each > seq_len + 1 long
   val: list[np.ndarray]  # as train, held out; windows of these give val_loss in both modes
   packed: packing.Packed | None = None  # every training document end to end (load(pack=True)); else None
+  prompt_start: int = 0  # where in val[0] a sample's prompt starts: past the first newline when val[0] is cut mid-file
 
   def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, targets), each (batch_size, seq_len) int32; targets are inputs shifted by one."""
@@ -91,7 +92,9 @@ def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool) -> Datas
             f"text longer than {seq_len + 1} bytes" if pack else
             f"train and validation each need a text longer than {seq_len + 1} bytes")
     raise ValueError(f"{name}: {total} bytes in {len(texts)} file(s) is too little for seq_len {seq_len}; {need}")
-  return Dataset(name, 256, train, val, packed)
+  # the last 10% of the bytes starts where the cut fell, often mid-word: prompts start at its first full line
+  lines = np.flatnonzero(val[0][:len(val[0]) - seq_len // 2] == ord("\n")) if len(texts) < 10 else []
+  return Dataset(name, 256, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0)
 
 
 def read_shard(path: str) -> np.ndarray:

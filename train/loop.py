@@ -488,12 +488,12 @@ def _notices(cfg: TrainConfig) -> None:
 
 def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
   """The end-of-run sample, by python -m sample's decoder (models.generate, backend auto): the start of
-  the first validation text continued. Prompt and new tokens share the context: at most
-  seq_len - seq_len // 4 new ones. Each process samples from its own replica of the parameters."""
+  the first validation text (from its first full line where it was cut mid-file) continued. Prompt and new
+  tokens share the context: at most seq_len - seq_len // 4 new ones. Each process samples from its own replica of the parameters."""
   prompt_len, new = sample_lengths(s.cfg.model.seq_len, s.cfg.sample_tokens)
   if new < 1:
     return {}
-  prompt = np.asarray(dataset.val[0][:prompt_len])
+  prompt = np.asarray(dataset.val[0][dataset.prompt_start:][:prompt_len])
   local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0), tree)  # this process's copy, on one device
   model = nnx.merge(s.model.graphdef, local(state["params"]), local(state["fp8"]))
   gen = generate.generate(model, [prompt], max_new_tokens=new, backend=attnlayers.backends.AUTO,
