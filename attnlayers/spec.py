@@ -315,7 +315,9 @@ def describe(q, k, v, opts: Options) -> Call:
                                                           (("kv_segment_ids", opts.kv_segment_ids),))
       for name, ids in sides:
         _check_max_segments(name, ids, opts.max_segments)
-  return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=np.dtype(q.dtype), is_causal=opts.is_causal,
+  # the dtype jax runs: numpy float64 is float32 unless jax_enable_x64 is on
+  dtype = np.dtype(jax.dtypes.canonicalize_dtype(q.dtype))
+  return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=dtype, is_causal=opts.is_causal,
               mask_shape=mask_shape, bias_shape=bias_shape, dropout=opts.dropout is not None,
               return_weights=opts.return_weights, precision=opts.precision, fp8_core=opts.fp8_core,
               device=device_lib.of(q, k, v), q_lengths=opts.query_seq_lengths is not None,

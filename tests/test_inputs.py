@@ -43,6 +43,14 @@ def test_numpy_bool_is_causal_is_accepted():
                                 attnlayers.attention(q, kv, kv, is_causal=True))
 
 
+def test_explain_reports_the_dtype_jax_runs_numpy_float64_as():
+  """With x64 off (jax's default) float64 numpy inputs run as float32; explain() says float32, as the output is."""
+  x = np.zeros((2, 8, 4, 16), np.float64)
+  plan = attnlayers.explain("auto", x, x, x)
+  assert not jax.config.jax_enable_x64 and attnlayers.attention(x, x, x).dtype == jnp.float32
+  assert plan.call.dtype == np.float32 and "float32" in str(plan) and "float64" not in str(plan)
+
+
 @pytest.mark.parametrize("shape_q, shape_kv, named", [
     ((2, 8, 4, 0), (2, 8, 2, 0), "H=0"), ((2, 8, 4, 16), (2, 0, 2, 16), "S=0"), ((2, 8, 4, 16), (2, 8, 0, 16), "K=0"),
 ])
