@@ -107,6 +107,10 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       raise ValueError(f"Memory dimension ({qkv_features}) must be divisible by number of heads ({self.num_heads}).")
     if self.num_heads % num_kv_heads:  # ours
       raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({num_kv_heads}).")
+    if self.attention_fn is nn.dot_product_attention and num_kv_heads != self.num_heads:  # ours: its assert, said
+      raise ValueError(f"flax.linen.dot_product_attention takes as many key/value heads as query heads; got "
+                       f"num_kv_heads ({num_kv_heads}) < num_heads ({self.num_heads}). Leave attention_fn out (the "
+                       "layer's backends take grouped heads) or pass flax.nnx.dot_product_attention, which does too")
     head_dim = qkv_features // self.num_heads
     dense = functools.partial(
         nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,

@@ -99,6 +99,17 @@ def test_custom_attention_fn_and_backend_conflict():
     layer.init(jax.random.key(0), x)
 
 
+def test_grouped_heads_with_flax_linen_attention_fn_are_refused_with_a_way_out():
+  """Flax's linen dot_product_attention asserts on K < N; the layer says so and names what takes grouped heads."""
+  layer = al.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=2, attention_fn=nn.dot_product_attention)
+  with pytest.raises(ValueError, match=r"num_kv_heads \(2\) < num_heads \(4\).*flax.nnx.dot_product_attention"):
+    layer.init(jax.random.key(0), x)
+  nnx_fn = al.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=2, attention_fn=nnx.dot_product_attention)
+  params = nnx_fn.init(jax.random.key(0), x)
+  ours = al.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=2, backend="xla")
+  np.testing.assert_allclose(nnx_fn.apply(params, x), ours.apply(params, x), rtol=1e-5, atol=1e-6)
+
+
 def test_te_fp8_points_to_the_nnx_layer():
   layer = al.MultiHeadDotProductAttention(num_heads=4, backend="te-fp8")
   x = jnp.ones((1, 8, 16), jnp.bfloat16)
