@@ -26,7 +26,7 @@ from tests import reference
 from tests.test_generate import GREEDY, forward, greedy_by_recomputation
 from tests.test_generate import config as generate_config
 from tests.test_generate import model as wandering_model
-from train import checkpoint, cli, data, loop, packing, sample_cli
+from train import checkpoint, cli, data, packing, report, sample_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--log-every", "1"]
@@ -183,9 +183,9 @@ def test_model_refuses_packing_arguments_it_cannot_use():
 
 @pytest.mark.parametrize("pattern, windows", [("local", [(7, 0)]), ("local,global", [(7, 0), None])])
 def test_the_backend_check_sees_segment_ids_and_every_layer_window(pattern, windows):
-  plans = loop.attention_plans(models.preset("tiny", window=8, window_pattern=pattern), 8, pack=True)
+  plans = report.attention_plans(models.preset("tiny", window=8, window_pattern=pattern), 8, pack=True)
   assert [p.call.window for p in plans] == windows and all(p.call.segments and p.ok for p in plans)
-  assert not loop.attention_plans(models.preset("tiny"), 8, pack=False)[0].call.segments
+  assert not report.attention_plans(models.preset("tiny"), 8, pack=False)[0].call.segments
 
 
 @pytest.fixture(scope="module")

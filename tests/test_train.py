@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import models
-from train import cli, data, loop
+from train import cli, data, loop, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -216,7 +216,7 @@ def _notices_for(**settings) -> list[str]:
   """The lines loop.run prints before any work for a tiny run with these TrainConfig settings."""
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
-    loop._notices(loop.TrainConfig(model=models.preset("tiny", seq_len=32), sample_tokens=0, **settings))
+    report.notices(loop.TrainConfig(model=models.preset("tiny", seq_len=32), sample_tokens=0, **settings))
   return out.getvalue().splitlines()
 
 

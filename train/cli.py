@@ -28,7 +28,7 @@ import attnlayers
 from attnlayers import spec
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, lock, loop, metrics, signals
+from train import checkpoint, config, lock, loop, metrics, report, signals
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -123,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
   keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
   p.add_argument("--ckpt-every", type=one, default=100,
                  help="steps between checkpoints (the last step is always saved)")
-  changeable = [k for k in loop.TRAJECTORY if k not in ("weight_decay", "clip")]  # those have no flag
+  changeable = [k for k in config.TRAJECTORY if k not in ("weight_decay", "clip")]  # those have no flag
   p.add_argument("--allow-change", type=_setting, choices=changeable, action="append", default=[],
                  metavar="SETTING", help="let a resume change this setting from the checkpoint's (one of "
                  f"{', '.join(changeable)}; repeatable); the change is recorded in --metrics; default: "
@@ -137,7 +137,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--peak-tflops", type=_positive_float, help="device bf16 peak for MFU; default: the built-in table")
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="hide the progress bar (shown by default)")
-  first, last = loop.PROFILE_WINDOW
+  first, last = config.PROFILE_WINDOW
   p.add_argument("--profile-dir", help=f"write a profiler trace of the run's steps {first}-{last} here "
                                        "(perfetto_trace.json.gz + xplane); default: none")
   p.add_argument("--coordinator-address", help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
@@ -148,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _sample_tokens(asked: int | None, seq_len: int) -> int:
   """--sample-tokens as given, or the default: SAMPLE_TOKENS, fewer where the context holds fewer after the prompt."""
-  return loop.sample_lengths(seq_len, SAMPLE_TOKENS)[1] if asked is None else asked
+  return report.sample_lengths(seq_len, SAMPLE_TOKENS)[1] if asked is None else asked
 
 
 def fresh_run_dir() -> str:
@@ -208,7 +208,7 @@ def main(argv=None) -> None:
                           n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype, bias=a.bias,
                           fp8_core=a.fp8_core, window=a.window, window_pattern=a.window_pattern,
                           kernels=a.kernels)
-    cfg = loop.TrainConfig(
+    cfg = config.TrainConfig(
         model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
         ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,
         metrics=a.metrics, sample_tokens=_sample_tokens(a.sample_tokens, model.seq_len), peak_tflops=a.peak_tflops,

@@ -8,6 +8,9 @@ run, save it and raise signals.Stopped.
 Packed runs (TrainConfig.pack) train on rows of whole documents (train.packing); validation
 is the same unpacked held-out windows in both modes (train.data says why). Neither mode pads,
 so tokens_per_s counts only real tokens.
+
+The settings are train.config's TrainConfig; what a run says apart from its steps (notices, the
+attention check, the summary and its sample) is train.report.
 """
 
 from __future__ import annotations
@@ -28,18 +31,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
-from models import generate, kernels, plans
+from models import kernels
 from models.loss import head_cross_entropy
-from train import checkpoint, data, metrics, optim, sample, signals, stepdirs
+from train import checkpoint, data, metrics, optim, report, signals, stepdirs
+from train.config import PROFILE_WINDOW, TrainConfig
 
-PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
-# The settings that, with the model's architecture, seed and data, decide every step's numbers:
-# a resume must keep them unless TrainConfig.allow_change names them.
-TRAJECTORY = ("steps", "batch_size", "lr", "warmup", "lr_schedule", "weight_decay", "decay_rule", "clip", "dtype")
-SAMPLE_TEMPERATURE = 0.8  # of the end-of-run sample
 # XLA options the step and evaluation compile with (GPU options; other platforms ignore them).
 # cuBLASLt on (XLA's default where jax does not turn it off): it is what takes a bias epilogue.
 # Triton GEMM fusions off: XLA then rewrites each dot straight into cuBLASLt and fuses a vector
@@ -54,54 +52,6 @@ STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cublaslt": True, "xla_gpu_enable_triton
 
 class TrainingDiverged(RuntimeError):
   pass
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  model: models.GPTConfig
-  steps: int = 1000  # optimizer steps in all, counting those before a resume
-  batch_size: int = 16  # global batch, split over every device
-  lr: float = 3e-3  # peak learning rate
-  warmup: int = 30  # linear warm-up steps
-  weight_decay: float = 0.1  # AdamW decay on matrices
-  clip: float = 1.0  # global gradient norm
-  seed: int = 0  # parameters, data order and dropout
-  data: str | None = None  # see train.data; None = the installed Python's standard library sources
-  ckpt_dir: str | None = None  # resume from and save to; None = no checkpoints
-  ckpt_every: int = 100  # steps between checkpoints (the last step is always saved)
-  eval_every: int = 100  # steps between validation losses; 0 = none
-  eval_batches: int = 4  # validation batches averaged per evaluation
-  log_every: int = 10  # steps between metrics records
-  metrics: str | None = None  # JSONL path
-  sample_tokens: int = 200  # sampled at the end, at most seq_len - seq_len // 4 (the prompt takes the rest); 0 = none
-  peak_tflops: float | None = None  # override the device's bf16 peak for MFU
-  progress: bool = True  # tqdm bar
-  profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of PROFILE_WINDOW here
-  allow_change: tuple[str, ...] = ()  # TRAJECTORY settings a resume may change; recorded in the metrics file
-  pack: bool = False  # train on packed documents (train.packing); validation is unpacked windows either way
-
-  def __post_init__(self):
-    finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
-    rules = [("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
-             ("lr", finite(self.lr) and self.lr > 0, "a finite number > 0"), ("warmup", self.warmup >= 0, ">= 0"),
-             ("weight_decay", finite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
-             ("clip", finite(self.clip) and self.clip > 0, "a finite number > 0"), ("seed", self.seed >= 0, ">= 0"),
-             ("ckpt_every", self.ckpt_every >= 1, ">= 1"), ("eval_every", self.eval_every >= 0, ">= 0"),
-             ("eval_batches", self.eval_batches >= 1, ">= 1"), ("log_every", self.log_every >= 1, ">= 1"),
-             ("sample_tokens", self.sample_tokens >= 0, ">= 0"),
-             ("peak_tflops", self.peak_tflops is None or finite(self.peak_tflops) and self.peak_tflops > 0, "> 0"),
-             ("allow_change", set(self.allow_change) <= set(TRAJECTORY), f"some of {', '.join(TRAJECTORY)}")]
-    bad = [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in rules if not ok]
-    if self.profile_dir and self.steps < PROFILE_WINDOW[1]:
-      first, last = PROFILE_WINDOW
-      bad.append(f"profile_dir traces steps {first}-{last} of the run, but steps is {self.steps}")
-    if bad:
-      raise ValueError("; ".join(bad))
-
-  def trajectory(self) -> dict:
-    """The TRAJECTORY settings' values, which a checkpoint records (checkpoint.check_meta)."""
-    rules = {"dtype": self.model.dtype, "lr_schedule": optim.LR_SCHEDULE, "decay_rule": optim.DECAY_RULE}
-    return {f: rules[f] if f in rules else getattr(self, f) for f in TRAJECTORY}
 
 
 def _loss(graphdef, params, fp8, batch: dict, dropout_key):
@@ -418,89 +368,10 @@ def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
   return signals.Stopped(s.stop.received, step, f"stopped by {s.stop.name} after step {step}: {where}")
 
 
-def attention_plans(cfg: models.GPTConfig, batch_size: int, pack: bool) -> list[attnlayers.Plan]:
-  """How the training step's attention calls run, one plan per distinct layer window (models.plans)."""
-  return plans.attention_plans(cfg, batch_size, cfg.seq_len, pack=pack)
-
-
 def data_mesh(devices) -> jax.sharding.Mesh:
   """The training mesh: one "data" axis over `devices`, Auto (XLA's SPMD partitioner places the work; with
   jax 0.11's default Explicit axes TransformerEngine's sharding rules refuse te-fp8's step)."""
   return jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
-
-
-def _check_attention(cfg: TrainConfig) -> None:
-  """BackendUnavailableError, with every reason, where the backend cannot run the model's attention (checked
-  before any work)."""
-  for plan in attention_plans(cfg.model, cfg.batch_size, cfg.pack):
-    if not plan.ok:
-      raise attnlayers.BackendUnavailableError.from_plan(plan)
-
-
-def attention_ran(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> str:
-  """The kernel the model's attention calls run on (what `auto` chose); layers that differ: "a/b"."""
-  return plans.ran(attention_plans(cfg, batch_size, pack))
-
-
-def _summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) -> dict:
-  cfg, mcfg = s.cfg, s.cfg.model
-  steps_per_s = s.throughput.steady_steps_per_s()
-  summary = {
-      "event": "summary", "steps": cfg.steps, "final_loss": loss,
-      "params": sum(x.size for x in jax.tree.leaves(state["params"])),  # every trained parameter
-      "params_for_flops": s.model.n_params,  # N of the MFU count: the weights that multiply activations
-      "final_val_loss": s.val_loss[max(s.val_loss)] if s.val_loss else None,
-      **s.throughput.rates_fields(steps_per_s),
-      "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
-      "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
-      "kernels": kernels.resolve(mcfg.kernels)[0],  # the loss's, the LayerNorms' and bias + GELU's
-      "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
-  }
-  if cfg.sample_tokens:
-    summary |= _sample(s, state, dataset)
-  return summary
-
-
-def sample_lengths(seq_len: int, sample_tokens: int) -> tuple[int, int]:
-  """(prompt tokens, new tokens) of the end-of-run sample: the prompt takes a quarter to a half of the context,
-  the new tokens at most the rest."""
-  prompt_len = max(1, seq_len // 4, min(seq_len // 2, seq_len - sample_tokens))
-  return prompt_len, min(sample_tokens, seq_len - prompt_len)
-
-
-def _notices(cfg: TrainConfig) -> None:
-  """Says where the run will do less than a setting asks (printed before any work, by process 0)."""
-  if jax.process_index() != 0:
-    return
-  if cfg.warmup >= cfg.steps:
-    cut = f"is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} steps, so" if \
-        cfg.warmup > cfg.steps else f"is as long as the run ({cfg.steps} steps):"
-    print(f"warmup {cfg.warmup} {cut} the learning rate rises for the whole run, to {cfg.steps}/{cfg.steps + 1} of "
-          "the peak lr, and never decays (--warmup sets the warm-up)", flush=True)
-  elif cfg.warmup == cfg.steps - 1 and cfg.steps > 1:
-    print(f"warmup {cfg.warmup} ends at the last of {cfg.steps} steps: the learning rate reaches its peak there and "
-          "never decays (--warmup sets the warm-up)", flush=True)
-  prompt_len, new = sample_lengths(cfg.model.seq_len, cfg.sample_tokens)
-  if new < cfg.sample_tokens:
-    print(f"sample_tokens {cfg.sample_tokens}: the end-of-run sample has {new} new tokens, what fits in the "
-          f"{cfg.model.seq_len}-token context after its {prompt_len}-token prompt", flush=True)
-
-
-def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
-  """The end-of-run sample, by python -m sample's decoder (models.generate, backend auto): the start of
-  the first validation text (from its first full line where it was cut mid-file) continued. Prompt and new
-  tokens share the context: at most seq_len - seq_len // 4 new ones. Each process samples from its own replica of the parameters."""
-  prompt_len, new = sample_lengths(s.cfg.model.seq_len, s.cfg.sample_tokens)
-  if new < 1:
-    return {}
-  prompt = np.asarray(dataset.val[0][dataset.prompt_start:][:prompt_len])
-  local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0), tree)  # this process's copy, on one device
-  model = nnx.merge(s.model.graphdef, local(state["params"]), local(state["fp8"]))
-  gen = generate.generate(model, [prompt], max_new_tokens=new, backend=attnlayers.backends.AUTO,
-                          sampling=generate.Sampling(temperature=SAMPLE_TEMPERATURE, seed=s.cfg.seed))
-  return {"sample": sample.decode(gen.tokens[0], dataset.vocab_size),
-          "sample_prompt": sample.decode(prompt, dataset.vocab_size),
-          "sample_time_to_first_token_s": gen.time_to_first_token_s, "sample_tokens_per_s": gen.decode_tokens_per_s}
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -509,14 +380,14 @@ def run(cfg: TrainConfig) -> dict:
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(signals.StopRequests())
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
-    _check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. its segment ids)
+    report.check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. its segment ids)
     kernels.resolve(cfg.model.kernels)  # and kernels="pallas" off a CUDA GPU
-    _notices(cfg)
+    report.notices(cfg)
     ckpts, out = _open_outputs(cfg, stack)
     dataset = _load_data(cfg)
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
       cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
-      _check_attention(cfg)
+      report.check_attention(cfg)
     if cfg.batch_size % jax.device_count():
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
     mesh = data_mesh(jax.devices())
@@ -539,6 +410,6 @@ def run(cfg: TrainConfig) -> dict:
     s = Session(cfg, model, Batches(dataset, cfg, NamedSharding(mesh, P("data"))), ckpts, meta, out, throughput,
                 stop, start)
     state, loss = _train(s, state)
-    summary = _summary(s, state, loss, dataset)
+    summary = report.summary(s, state, loss, dataset)
     out.write(summary)
   return summary

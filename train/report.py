@@ -1,0 +1,100 @@
+"""What a run says of itself apart from its steps: the notices before any work, the attention
+plans it checks first, and the end-of-run summary with its sample."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+from flax import nnx
+
+import attnlayers
+import models
+from models import generate, kernels, plans
+from train import data, metrics, sample
+from train.config import TrainConfig
+
+if TYPE_CHECKING:
+  from train.loop import Session
+
+SAMPLE_TEMPERATURE = 0.8  # of the end-of-run sample
+
+
+def attention_plans(cfg: models.GPTConfig, batch_size: int, pack: bool) -> list[attnlayers.Plan]:
+  """How the training step's attention calls run, one plan per distinct layer window (models.plans)."""
+  return plans.attention_plans(cfg, batch_size, cfg.seq_len, pack=pack)
+
+
+def check_attention(cfg: TrainConfig) -> None:
+  """BackendUnavailableError, with every reason, where the backend cannot run the model's attention (checked
+  before any work)."""
+  for plan in attention_plans(cfg.model, cfg.batch_size, cfg.pack):
+    if not plan.ok:
+      raise attnlayers.BackendUnavailableError.from_plan(plan)
+
+
+def attention_ran(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> str:
+  """The kernel the model's attention calls run on (what `auto` chose); layers that differ: "a/b"."""
+  return plans.ran(attention_plans(cfg, batch_size, pack))
+
+
+def summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) -> dict:
+  cfg, mcfg = s.cfg, s.cfg.model
+  steps_per_s = s.throughput.steady_steps_per_s()
+  summary = {
+      "event": "summary", "steps": cfg.steps, "final_loss": loss,
+      "params": sum(x.size for x in jax.tree.leaves(state["params"])),  # every trained parameter
+      "params_for_flops": s.model.n_params,  # N of the MFU count: the weights that multiply activations
+      "final_val_loss": s.val_loss[max(s.val_loss)] if s.val_loss else None,
+      **s.throughput.rates_fields(steps_per_s),
+      "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
+      "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
+      "kernels": kernels.resolve(mcfg.kernels)[0],  # the loss's, the LayerNorms' and bias + GELU's
+      "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
+  }
+  if cfg.sample_tokens:
+    summary |= _sample(s, state, dataset)
+  return summary
+
+
+def sample_lengths(seq_len: int, sample_tokens: int) -> tuple[int, int]:
+  """(prompt tokens, new tokens) of the end-of-run sample: the prompt takes a quarter to a half of the context,
+  the new tokens at most the rest."""
+  prompt_len = max(1, seq_len // 4, min(seq_len // 2, seq_len - sample_tokens))
+  return prompt_len, min(sample_tokens, seq_len - prompt_len)
+
+
+def notices(cfg: TrainConfig) -> None:
+  """Says where the run will do less than a setting asks (printed before any work, by process 0)."""
+  if jax.process_index() != 0:
+    return
+  if cfg.warmup >= cfg.steps:
+    cut = f"is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} steps, so" if \
+        cfg.warmup > cfg.steps else f"is as long as the run ({cfg.steps} steps):"
+    print(f"warmup {cfg.warmup} {cut} the learning rate rises for the whole run, to {cfg.steps}/{cfg.steps + 1} of "
+          "the peak lr, and never decays (--warmup sets the warm-up)", flush=True)
+  elif cfg.warmup == cfg.steps - 1 and cfg.steps > 1:
+    print(f"warmup {cfg.warmup} ends at the last of {cfg.steps} steps: the learning rate reaches its peak there and "
+          "never decays (--warmup sets the warm-up)", flush=True)
+  prompt_len, new = sample_lengths(cfg.model.seq_len, cfg.sample_tokens)
+  if new < cfg.sample_tokens:
+    print(f"sample_tokens {cfg.sample_tokens}: the end-of-run sample has {new} new tokens, what fits in the "
+          f"{cfg.model.seq_len}-token context after its {prompt_len}-token prompt", flush=True)
+
+
+def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
+  """The end-of-run sample, by python -m sample's decoder (models.generate, backend auto): the start of
+  the first validation text (from its first full line where it was cut mid-file) continued. Prompt and new
+  tokens share the context: at most seq_len - seq_len // 4 new ones. Each process samples from its own replica of the parameters."""
+  prompt_len, new = sample_lengths(s.cfg.model.seq_len, s.cfg.sample_tokens)
+  if new < 1:
+    return {}
+  prompt = np.asarray(dataset.val[0][dataset.prompt_start:][:prompt_len])
+  local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0), tree)  # this process's copy, on one device
+  model = nnx.merge(s.model.graphdef, local(state["params"]), local(state["fp8"]))
+  gen = generate.generate(model, [prompt], max_new_tokens=new, backend=attnlayers.backends.AUTO,
+                          sampling=generate.Sampling(temperature=SAMPLE_TEMPERATURE, seed=s.cfg.seed))
+  return {"sample": sample.decode(gen.tokens[0], dataset.vocab_size),
+          "sample_prompt": sample.decode(prompt, dataset.vocab_size),
+          "sample_time_to_first_token_s": gen.time_to_first_token_s, "sample_tokens_per_s": gen.decode_tokens_per_s}
