@@ -197,11 +197,13 @@ def test_a_step_that_fails_keeps_the_record_of_the_finished_step_before_it(tmp_p
 
   def build(cfg, replicated):
     model, state = real_build(cfg, replicated)
+    last = []
     def train_step(state, batch, step):
       if step == 3:
-        jax.block_until_ready(state)  # step 2 has finished: its record can be written without waiting
+        jax.block_until_ready(last)  # step 2 has finished (its loss too): its record can be written without waiting
         raise RuntimeError("step 3 failed")
-      return model.train_step(state, batch, step)
+      last[:] = model.train_step(state, batch, step)
+      return tuple(last)
     return dataclasses.replace(model, train_step=train_step), state
 
   monkeypatch.setattr(loop, "build", build)
