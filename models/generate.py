@@ -56,7 +56,8 @@ def sample(logits: Float[Array, "B V"], key, sampling: Sampling) -> Int[Array, "
   """One token per row: argmax at temperature 0, else a draw from softmax(logits / T) over the top k."""
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits / sampling.temperature
+  # the row's largest at 0 first: a tiny temperature then sends the rest to -inf, not everything to +-inf
+  logits = (logits - logits.max(axis=-1, keepdims=True)) / sampling.temperature
   if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
     kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # (B, 1) the k-th largest
     logits = jnp.where(logits < kth, -jnp.inf, logits)

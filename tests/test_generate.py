@@ -16,7 +16,7 @@ from flax import nnx
 import attnlayers
 import models
 from models import plans
-from models.generate import Decoder, Sampling, generate
+from models.generate import Decoder, Sampling, generate, sample
 
 GREEDY = Sampling(temperature=0)
 PROMPTS = [np.array([5, 9, 2]), np.arange(17) % 7 + 20, (np.arange(50) * 7) % 64]  # ragged: 3, 17, 50 tokens
@@ -162,6 +162,19 @@ def test_same_shapes_reuse_the_compiled_programs():
   assert first.compile_s > 0 and again.compile_s == 0
   for g in (first, again):
     assert 0 < g.time_to_first_token_s < 10 and g.decode_tokens_per_s > 0
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token():
+  """logits / 1e-38 overflow to +-inf, where a draw took the first positive logit; the row's largest goes to 0
+  first, so a tiny temperature is greedy."""
+  logits = jnp.array([[0.5, 1.0, 2.0, -1.0], [3.0, -2.0, 2.5, 0.0]])
+  for seed in range(5):
+    tokens = sample(logits, jax.random.key(seed), Sampling(temperature=1e-38))
+    assert tokens.tolist() == [2, 0]
+  m = model(config(n_layer=1))
+  tiny = generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=Sampling(temperature=1e-38, seed=1))
+  greedy = generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=GREEDY)
+  assert [t.tolist() for t in tiny.tokens] == [t.tolist() for t in greedy.tokens]
 
 
 def test_sampling_follows_seed_temperature_and_top_k():
