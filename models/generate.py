@@ -113,8 +113,8 @@ def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling,
 
   out = jnp.full((B, width), stop, jnp.int32)  # (B, width) the new tokens; columns past the loop's end hold stop
   carry = (jnp.int32(0), cache, key, first, first == stop, out, jnp.zeros((B,), jnp.int32))
-  _, cache, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
-  return cache, key, out, n_new
+  ran, cache, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
+  return cache, key, out, n_new, ran  # ran: the steps taken; every row's cache advanced by that many
 
 
 _COMPILED: dict = {}  # (program, static arguments, argument shapes) -> executable
@@ -250,8 +250,9 @@ class Decoder:
       raise ValueError(f"steps must be in [0, {room}]: the cache has {self.cache_len} positions and its fullest row "
                        f"is at {int(state['pos'].max())}; got {steps}")
     first = _pad_rows(jnp.asarray(first_tokens, jnp.int32), self.rows)
-    cache, key, out, n_new = self._decode(*self._args(state), first, jnp.int32(steps), jnp.int32(self.stop))
-    return (state | {"cache": cache, "key": key, "pos": state["pos"] + steps}, out[:self.batch, :steps],
+    cache, key, out, n_new, ran = self._decode(*self._args(state), first, jnp.int32(steps), jnp.int32(self.stop))
+    # the loop ends early once every row has stopped: each row's cache then holds `ran` more, not `steps`
+    return (state | {"cache": cache, "key": key, "pos": state["pos"] + int(ran)}, out[:self.batch, :steps],
             n_new[:self.batch])
 
 

@@ -177,6 +177,20 @@ def test_a_tiny_temperature_samples_the_most_likely_token():
   assert [t.tolist() for t in tiny.tokens] == [t.tolist() for t in greedy.tokens]
 
 
+def test_a_decode_that_ends_early_advances_each_row_by_the_steps_it_ran():
+  """Every row stopped after a few steps: the decoder's positions advance by those, so the next decode call may
+  use the rest of the cache and continues where the cache is."""
+  m = model(config())
+  d = Decoder(m, batch=1, cache_len=64, prompt_len=64, sampling=GREEDY, stop_token=0)
+  prompts = np.zeros((1, 64), np.int32)
+  prompts[:, :3] = PROMPTS[0]
+  state, first = d.prefill(d.init_state(), prompts, np.array([3]))
+  state, tokens, n_new = d.decode(state, np.array([0]), 50)  # the row has stopped: the loop ends at once
+  assert int(n_new[0]) == 0 and state["pos"].tolist() == [3]
+  state, tokens, n_new = d.decode(state, first, 61)  # the whole rest of the cache, refused before
+  assert state["pos"].tolist() == [3 + int(n_new[0])]  # one row: the loop ran until its stop, or 61 steps
+
+
 def test_sampling_follows_seed_temperature_and_top_k():
   m = model(config(n_layer=1))
   draw = lambda **kw: [t.tolist() for t in generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=Sampling(**kw)).tokens]
