@@ -259,7 +259,7 @@ class Decoder:
 @dataclasses.dataclass
 class Generation:
   tokens: list[np.ndarray]  # new tokens per row, up to and including the stop token
-  time_to_first_token_s: float  # prefill + first sample, compiled (compile time excluded)
+  time_to_first_token_s: float  # prefill + first sample, compiled and run once before (neither timed)
   decode_tokens_per_s: float  # new tokens from the decode loop per second of it (nan: no decode step)
   compile_s: float  # compiling prefill and decode (0 when this shape was compiled before)
   attention: str  # the kernels the attention calls ran on: Decoder.attention_ran
@@ -285,6 +285,8 @@ def generate(model: GPT, prompts, *, max_new_tokens: int, sampling: Sampling = S
   padded = np.zeros((len(rows), prompt_len), np.int32)  # (B, P) right-padded
   for b, p in enumerate(rows):
     padded[b, :len(p)] = p
+  warm, first = decoder.prefill(decoder.init_state(), padded, lengths)  # untimed: a program's first run loads
+  jax.block_until_ready(decoder.decode(warm, first, min(1, max_new_tokens - 1)))  # its kernels, set-up not rate
   state = decoder.init_state()
   ttft, (state, first) = _timed(lambda: decoder.prefill(state, padded, lengths))
   first = np.asarray(first)

@@ -181,8 +181,8 @@ def run(a) -> None:
     print(sample.decode(list(prompt) + list(tokens), cfg.vocab_size))
   rate = f"{gen.decode_tokens_per_s:,.0f} tokens/s" if math.isfinite(gen.decode_tokens_per_s) else "no decode step"
   print(f"---\ntime to first token: {gen.time_to_first_token_s * 1e3:.1f} ms; decode: {rate} "
-        f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s, not counted); attention {a.attn} ran on: "
-        f"{gen.attention}")
+        f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s and a first run, not counted); "
+        f"attention {a.attn} ran on: {gen.attention}")
 
 
 def main(argv=None) -> None:
