@@ -121,11 +121,12 @@ def main(argv=None) -> list[dict]:
   with tempfile.TemporaryDirectory(prefix="attnlayers-steady-") as trace_dir:
     rows, state = phases(model.train_step, state, batch, a, trace_dir)
   rows += matmuls(a.matmul_n, a.sustain_calls)
-  flops_per_step = models.flops_per_token(mcfg, model.n_params, a.seq_len) * a.batch_size * a.seq_len
+  per_token, tokens_per_step = models.flops_per_token(mcfg, model.n_params, a.seq_len), a.batch_size * a.seq_len
   yardsticks = {r["phase"]: r["tflops"] for r in rows if "tflops" in r}
   for r in rows:
     if "ms_per_step" in r and r["phase"] != "warmup":  # the warm-up's first step compiles
-      r["model_tflops"] = flops_per_step / (r["ms_per_step"] * 1e-3) / 1e12
+      tokens_per_s = tokens_per_step / (r["ms_per_step"] * 1e-3)
+      r["model_tflops"] = train.model_flop_rate(a.attn, tokens_per_s, per_token) / 1e12  # raises above the peak
       r |= {f"vs {k}": r["model_tflops"] / v for k, v in yardsticks.items()}
   env = common.environment() | {"config": vars(a)}
   print(json.dumps(env))

@@ -21,7 +21,7 @@ import sys
 
 import attnlayers
 import models
-from benchmarks import clocks, common, report
+from benchmarks import clocks, common, flops, report
 from train import metrics
 
 
@@ -79,13 +79,21 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
     return row | {"status": "unavailable" if unavailable else "error", "reason": _reasons(proc.stderr) or reason}
   s = metrics.loads([line for line in proc.stdout.splitlines() if line.startswith('{"event": "summary"')][-1])
   model = models.preset(preset, seq_len=seq_len)
-  model_flops = s["tokens_per_s"] * models.flops_per_token(model, s["params_for_flops"], seq_len)
+  per_token = models.flops_per_token(model, s["params_for_flops"], seq_len)
+  model_flops = model_flop_rate(backend, s["tokens_per_s"], per_token)
   return row | {"status": "ok", "steps_per_s": s["steps_per_s"], "tokens_per_s": s["tokens_per_s"],
                 "mfu": s["mfu"], "model_tflops": model_flops / 1e12,
                 "time_to_first_step_s": s["time_to_first_step_s"],
                 "peak_memory_gib": s["peak_memory_bytes"] and s["peak_memory_bytes"] / 2**30,
                 "final_loss": s["final_loss"], "val_loss": s.get("final_val_loss"),
                 **_clocks(gpu)}
+
+
+def model_flop_rate(backend: str, tokens_per_s: float, flops_per_token: float) -> float:
+  """A run's model FLOP/s; flops.ImpossibleRate, which stops the benchmark, above the device's dense peak
+  (FP8's for te-fp8, whose GEMMs may pass bf16's; bf16's otherwise), as for every per-call rate."""
+  peak, peak_name = common.dense_peak("fp8" if backend == "te-fp8" else "bf16")
+  return flops.check_rate(f"{backend} training", tokens_per_s * flops_per_token, 1.0, peak, peak_name)
 
 
 def _clocks(gpu: clocks.Sampler) -> dict:

@@ -139,6 +139,20 @@ def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
   assert "sm_mhz" in md and (xla["busy_samples"], xla["sm_mhz"]) == (0, None)  # no nvidia-smi here: no clocks
 
 
+def test_a_training_rate_above_the_devices_peak_stops_the_benchmark(monkeypatch):
+  """Training rows are checked against the dense peak as per-call rates are: bf16's, FP8's for te-fp8."""
+  from benchmarks import flops
+  from benchmarks import train as bench_train
+  from train import metrics
+  monkeypatch.setattr(metrics, "peak_flops", lambda *a: 1e15)  # the device's dense bf16 peak, FLOP/s
+  assert bench_train.model_flop_rate("cudnn", 1e6, 9e8) == 9e14
+  with pytest.raises(flops.ImpossibleRate, match="cudnn training: 1100.0 TFLOP/s is above the device's bf16 dense"):
+    bench_train.model_flop_rate("cudnn", 1e6, 1.1e9)
+  assert bench_train.model_flop_rate("te-fp8", 1e6, 1.1e9) == pytest.approx(1.1e15)  # under FP8's 2e15
+  with pytest.raises(flops.ImpossibleRate, match="fp8 dense peak"):
+    bench_train.model_flop_rate("te-fp8", 1e6, 2.1e9)
+
+
 def test_steady_times_traces_and_rates_the_trainer_step_against_both_matmuls(tmp_path, capsys):
   rows = steady.main(["--attn", "xla", "--preset", "tiny", "--seq-len", "32", "--batch-size", "2", "--warmup", "1",
                       "--steps", "2", "--trace-steps", "1", "--matmul-n", "64", "--sustain-calls", "2",
