@@ -227,6 +227,25 @@ def test_each_run_gets_a_new_folder_and_no_ckpt_keeps_none(tmp_path, monkeypatch
   assert "python -m sample --ckpt-dir mine" in capsys.readouterr().out
 
 
+def test_runs_started_in_the_same_second_each_make_a_folder_of_their_own(tmp_path, monkeypatch):
+  """The folder is made where its name is chosen (os.mkdir), so runs racing for one name each get their own; a
+  name chosen free and made later let two runs share one folder, and the one refused its lock removed it."""
+  import threading
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(cli.time, "strftime", lambda fmt: "20260101-000000")
+  start, made = threading.Barrier(8), []
+  def race():
+    start.wait()
+    made.append(cli.fresh_run_dir())
+  threads = [threading.Thread(target=race) for _ in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(set(made)) == 8 and all(os.path.isdir(p) for p in made)
+  assert sorted(os.listdir(tmp_path / cli.RUNS))[:2] == ["train-20260101-000000", "train-20260101-000000-2"]
+
+
 def test_a_run_that_fails_before_saving_leaves_no_folder(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   seen = []

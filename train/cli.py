@@ -152,12 +152,17 @@ def _sample_tokens(asked: int | None, seq_len: int) -> int:
 
 
 def fresh_run_dir() -> str:
-  """A folder name under RUNS for a new run: its start time, never an existing folder's."""
+  """A new folder under RUNS for a new run, named by its start time, made here: os.mkdir fails where the name
+  exists, so two runs started in the same second each get a folder of their own (the second "-2")."""
   base = os.path.join(RUNS, "train-" + time.strftime("%Y%m%d-%H%M%S"))
+  os.makedirs(RUNS, exist_ok=True)
   path, n = base, 2
-  while os.path.lexists(path):
-    path, n = f"{base}-{n}", n + 1
-  return path
+  while True:
+    try:
+      os.mkdir(path)
+      return path
+    except FileExistsError:
+      path, n = f"{base}-{n}", n + 1
 
 
 def _agreed(path: str) -> str:
@@ -235,7 +240,13 @@ def main(argv=None) -> None:
     jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
   fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
   if fresh:
-    cfg = dataclasses.replace(cfg, ckpt_dir=_agreed(fresh_run_dir()))
+    try:
+      made = fresh_run_dir() if jax.process_index() == 0 else ""  # process 0 makes it, every process saves there
+    except OSError as e:
+      print(f"error: cannot make a run folder in {RUNS}/ ({e.strerror}); give --ckpt-dir elsewhere, or --no-ckpt",
+            file=sys.stderr)
+      sys.exit(2)
+    cfg = dataclasses.replace(cfg, ckpt_dir=_agreed(made))
   print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   try:
     summary = loop.run(cfg)
