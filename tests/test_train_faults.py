@@ -131,10 +131,23 @@ def damage_meta_json(step_dir):
   return str(step_dir / "meta" / "metadata")
 
 
+def copy_of_another_step(step_dir):
+  """Step 10 copied in under step 20's name: intact files, the wrong step."""
+  shutil.rmtree(step_dir)
+  shutil.copytree(step_dir.parent / "10", step_dir)
+  return f"{step_dir / stepdirs.MANIFEST} records step 10, but the folder is named 20"
+
+
+def added_file(step_dir):
+  (step_dir / "state" / "extra").write_bytes(b"x")
+  return f"{step_dir / 'state' / 'extra'} is not in {stepdirs.MANIFEST}"
+
+
 @pytest.mark.parametrize("damage", [flip_bit, random_bytes, truncate, remove_state, empty_folder,
-                                    damage_orbax_metadata, damage_meta_json],
+                                    damage_orbax_metadata, damage_meta_json, copy_of_another_step, added_file],
                          ids=["flipped-bit", "64-random-bytes", "truncated-data-file", "missing-state-folder",
-                              "empty-step-folder", "damaged-_METADATA", "damaged-meta-json"])
+                              "empty-step-folder", "damaged-_METADATA", "damaged-meta-json", "copy-of-step-10",
+                              "added-file"])
 def test_damaged_newest_step_is_set_aside_and_the_previous_restored(ckpt, saved, damage, capsys):
   damaged_file = damage(ckpt / "20")
   summary = loop.run(tiny(ckpt))
@@ -156,8 +169,9 @@ def test_foreign_folders_survive_rotation(ckpt, capsys):
   (ckpt / "100").mkdir()
   (ckpt / "100" / "notes.txt").write_text("beyond this run's steps")
   (ckpt / "20.corrupt-1").mkdir()  # set aside by an earlier run
+  (ckpt / "007").mkdir()  # not a step's name (steps are canonical decimals): neither step 7 nor in the way
   loop.run(tiny(ckpt, steps=40, allow_change=("steps",)))  # saves 30 and 40; keeps 3 of ours
-  assert sorted(os.listdir(ckpt)) == ["100", "20", "20.corrupt-1", "30", "40", "7", "attnlayers.lock"]
+  assert sorted(os.listdir(ckpt)) == ["007", "100", "20", "20.corrupt-1", "30", "40", "7", "attnlayers.lock"]
   assert (ckpt / "7" / "notes.txt").read_text() == "notes"
   assert f"{ckpt / '7'} has no attnlayers.json: not a checkpoint this program wrote" in capsys.readouterr().err
 
@@ -165,16 +179,42 @@ def test_foreign_folders_survive_rotation(ckpt, capsys):
 def test_foreign_folder_where_a_step_would_be_saved_is_refused(ckpt):
   (ckpt / "30").mkdir()
   (ckpt / "30" / "notes.txt").write_text("notes")
-  with pytest.raises(checkpoint.CheckpointError, match="holds folders named 30 without attnlayers.json"):
+  with pytest.raises(checkpoint.CheckpointError, match="holds files or folders named 30 .*without attnlayers.json"):
     loop.run(tiny(ckpt, steps=40, allow_change=("steps",)))
   assert (ckpt / "30" / "notes.txt").read_text() == "notes"
+
+
+@pytest.mark.parametrize("name, is_file", [("30", True), ("30.saving", True), ("30.saving", False)])
+def test_a_file_or_saving_folder_where_a_step_would_be_saved_is_refused_before_training(ckpt, monkeypatch, name,
+                                                                                        is_file):
+  """orbax's save deletes whatever sits at <step>.saving: a user's file or folder there stops the run at once."""
+  path = ckpt / name
+  path.write_text("notes") if is_file else (path.mkdir(), (path / "notes.txt").write_text("notes"))
+  monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built a model before refusing"))
+  with pytest.raises(checkpoint.CheckpointError, match="holds files or folders named 30 "):
+    loop.run(tiny(ckpt, steps=40, allow_change=("steps",)))
+  assert (path if is_file else path / "notes.txt").read_text() == "notes"
+
+
+def test_only_the_stopped_save_the_journal_names_is_removed(ckpt, capsys):
+  """A save stopped mid-way leaves <step>.saving (and orbax's temporary folder) and the journal naming the step:
+  those go; a <step>.saving... folder the journal does not name is a user's, and stays."""
+  for name in ("30.saving", "30.saving.orbax-checkpoint-tmp-1733", "5.saving", "3.saving.bak"):
+    (ckpt / name).mkdir()
+    (ckpt / name / "data").write_text("x")
+  (ckpt / stepdirs.JOURNAL).write_text("30\n")
+  loop.run(tiny(ckpt, steps=40, allow_change=("steps",)))
+  err = capsys.readouterr().err
+  assert sorted(os.listdir(ckpt)) == ["20", "3.saving.bak", "30", "40", "5.saving", "attnlayers.lock"]
+  assert f"removed {ckpt / '30.saving'}: a save of this program that was stopped" in err
+  assert f"{ckpt / '5.saving'} is not a save {stepdirs.JOURNAL} names: it is left alone" in err
 
 
 def test_fresh_run_refuses_a_foreign_folder_where_it_would_save_before_training(tmp_path, monkeypatch):
   (tmp_path / "c" / "20").mkdir(parents=True)
   (tmp_path / "c" / "20" / "notes.txt").write_text("notes")
   monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built a model before refusing"))
-  with pytest.raises(checkpoint.CheckpointError, match="holds folders named 20 without attnlayers.json"):
+  with pytest.raises(checkpoint.CheckpointError, match="holds files or folders named 20 .*without attnlayers.json"):
     loop.run(tiny(tmp_path / "c", steps=20))
   assert (tmp_path / "c" / "20" / "notes.txt").read_text() == "notes"
 

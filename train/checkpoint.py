@@ -71,7 +71,11 @@ class Checkpoints:
         _say(f"took over {self.lock.path} from a trainer that did not release it ({self.lock.stale_holder}; "
              "no longer running)")
       found = stepdirs.listing(self.directory)
-      stepdirs.remove_unfinished(self.directory, found.unfinished)
+      deleted, left = stepdirs.remove_unfinished(self.directory, found.unfinished)
+      for name in deleted:
+        _say(f"removed {os.path.join(self.directory, name)}: a save of this program that was stopped")
+      for name in left:
+        _say(f"{os.path.join(self.directory, name)} is not a save {stepdirs.JOURNAL} names: it is left alone")
       for step in found.foreign:
         _say(f"{stepdirs.step_path(self.directory, step)} has no {stepdirs.MANIFEST}: not a checkpoint this "
              "program wrote, so it is never restored nor deleted")
@@ -83,16 +87,20 @@ class Checkpoints:
 
   def save(self, step: int, state: dict, meta: dict) -> None:
     """Saves `step`, seals it with a manifest, then deletes all but the newest `keep` of ours."""
-    if os.path.lexists(stepdirs.step_path(self.directory, step)):
-      raise CheckpointError(f"cannot save step {step}: {stepdirs.step_path(self.directory, step)} exists and "
-                            f"is not a checkpoint of this run; move it out of {self.directory}")
+    for path in (stepdirs.step_path(self.directory, step), stepdirs.saving_path(self.directory, step)):
+      if os.path.lexists(path):  # orbax's save would delete what is there
+        raise CheckpointError(f"cannot save step {step}: {path} exists and is not a checkpoint of this run; "
+                              f"move it out of {self.directory}")
     items = dict(state=ocp.args.StandardSave({k: v for k, v in state.items() if k != "fp8"}),
                  meta=ocp.args.JsonSave(meta | {"step": step}))
     if state.get("fp8"):
       items["fp8"] = ocp.args.StandardSave(state["fp8"])
+    if jax.process_index() == 0:
+      stepdirs.begin(self.directory, step)  # a save stopped from here on is known to be ours
     self.checkpointer.save(stepdirs.saving_path(self.directory, step), args=ocp.args.Composite(**items), force=True)
     if jax.process_index() == 0:
       stepdirs.finish(self.directory, step)
+      stepdirs.end(self.directory)
       stepdirs.rotate(self.directory, self.keep)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"checkpoint step {step} sealed")

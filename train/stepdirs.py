@@ -1,11 +1,15 @@
 """Which step folders in a checkpoint folder this program wrote, and whether they are intact.
 
 A step is saved by orbax into `<step>.saving`, then `attnlayers.json` (the manifest: size and
-sha256 of every file orbax wrote) is written into it, and only then is the folder renamed
-to `<step>`. So a folder is ours when it carries a manifest, and intact when every file it
-lists is there with the recorded size and hash. Nothing else is ever deleted: damaged steps
-are renamed to `<step>.corrupt-<n>` for a person to look at, folders without a manifest are
-left alone, and rotation deletes only older steps that carry a manifest.
+sha256 of every file orbax wrote, and the step) is written into it, and only then is the folder
+renamed to `<step>`. So a folder is ours when it carries a manifest, and intact when it holds
+exactly the files it lists, with the recorded sizes and hashes, under the name of the step it
+records. Before orbax starts, `attnlayers.saving` names the step being saved; a save that was
+stopped leaves it, and only the `<step>.saving` folders of the step it names are deleted (with
+orbax's temporary `.orbax-checkpoint-tmp` ones). Nothing else is ever deleted: damaged steps,
+and numeric folders left empty, are renamed to `<step>.corrupt-<n>` for a person to look at;
+folders and files without a manifest are left alone; rotation deletes only older steps that
+carry a manifest. Step names are canonical decimals (`7`, not `007`).
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ import shutil
 MANIFEST = "attnlayers.json"
 FORMAT = "attnlayers-checkpoint"  # the manifest's "format" value; "version" is 1
 SAVING = ".saving"  # suffix of a step folder still being written
+JOURNAL = "attnlayers.saving"  # the step being saved, written before orbax starts and removed once it is sealed
+STEP = r"0|[1-9]\d*"  # a step's folder name
 
 
 @dataclasses.dataclass(frozen=True)
 class Listing:
   ours: tuple[int, ...]  # steps whose folder carries a manifest, oldest first (not yet verified)
   empty: tuple[int, ...]  # numeric folders with nothing in them: what is left of a step emptied by accident
-  foreign: tuple[int, ...]  # numeric folders with files but no manifest: not ours, never touched
-  unfinished: tuple[str, ...]  # `<step>.saving...` folders a stopped save left behind
+  foreign: tuple[int, ...]  # numeric folders with files but no manifest, and numeric files: not ours, never touched
+  unfinished: tuple[str, ...]  # `<step>.saving...` folders: a stopped save's, if JOURNAL names their step
 
 
 def step_path(directory: str, step: int) -> str:
@@ -39,10 +45,12 @@ def listing(directory: str) -> Listing:
   for name in os.listdir(directory) if os.path.isdir(directory) else []:
     path = os.path.join(directory, name)
     if not os.path.isdir(path):
+      if re.fullmatch(STEP, name):  # a file where a step would be saved
+        foreign.append(int(name))
       continue
-    if re.fullmatch(r"\d+" + re.escape(SAVING) + r"(\..*)?", name):
+    if re.fullmatch(f"({STEP}){re.escape(SAVING)}(\\.orbax-checkpoint-tmp.*)?", name):
       unfinished.append(name)
-    elif re.fullmatch(r"\d+", name):
+    elif re.fullmatch(STEP, name):
       kind = ours if os.path.lexists(os.path.join(path, MANIFEST)) else foreign if os.listdir(path) else empty
       kind.append(int(name))
   return Listing(tuple(sorted(ours)), tuple(sorted(empty)), tuple(sorted(foreign)), tuple(sorted(unfinished)))
@@ -77,7 +85,7 @@ def write_manifest(folder: str, step: int) -> None:
 
 
 def problem(folder: str) -> str | None:
-  """None if the step in `folder` is intact, else what is wrong, naming the file."""
+  """None if the step in `folder` (named by its step) is intact, else what is wrong, naming the file."""
   path = os.path.join(folder, MANIFEST)
   try:
     with open(path, encoding="utf-8") as f:
@@ -85,6 +93,9 @@ def problem(folder: str) -> str | None:
     files = manifest["files"]
     if manifest.get("format") != FORMAT or not isinstance(files, dict) or not files:
       raise ValueError("not an attnlayers checkpoint manifest")
+    if str(manifest.get("step")) != os.path.basename(folder):
+      return (f"{path} records step {manifest.get('step')!r}, but the folder is named {os.path.basename(folder)} "
+              "(copied or renamed)")
   except FileNotFoundError:
     return f"{path} is missing (the folder is empty)" if not os.listdir(folder) else f"{path} is missing"
   except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
@@ -98,6 +109,9 @@ def problem(folder: str) -> str | None:
       return f"{file} has {size} bytes, {want['bytes']} when it was saved (truncated or overwritten)"
     if _sha256(file) != want["sha256"]:
       return f"{file} has changed since it was saved (its sha256 differs from the manifest's)"
+  extra = sorted(set(_files(folder)) - set(files))
+  if extra:
+    return f"{os.path.join(folder, extra[0])} is not in {MANIFEST} (added after the step was saved)"
   return None
 
 
@@ -121,9 +135,34 @@ def finish(directory: str, step: int) -> None:
   os.rename(saving_path(directory, step), step_path(directory, step))
 
 
-def remove_unfinished(directory: str, names: tuple[str, ...]) -> None:
-  for name in names:
+def begin(directory: str, step: int) -> None:
+  """Records that `step` is being saved (JOURNAL), whole or absent, before orbax writes anything."""
+  tmp = os.path.join(directory, JOURNAL + ".tmp")
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(f"{step}\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, os.path.join(directory, JOURNAL))
+
+
+def end(directory: str) -> None:
+  os.remove(os.path.join(directory, JOURNAL))
+
+
+def remove_unfinished(directory: str, names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+  """Deletes the `<step>.saving...` folders of the step JOURNAL names (a save this program began and did not
+  finish), then the journal; returns (deleted, left): the others are not known to be ours and stay."""
+  try:
+    with open(os.path.join(directory, JOURNAL), encoding="utf-8") as f:
+      step = f.read().strip()
+  except FileNotFoundError:
+    step = None
+  ours = [n for n in names if step is not None and n.split(".", 1)[0] == step]
+  for name in ours:
     shutil.rmtree(os.path.join(directory, name))
+  if step is not None:
+    end(directory)
+  return ours, [n for n in names if n not in ours]
 
 
 def rotate(directory: str, keep: int) -> list[int]:
