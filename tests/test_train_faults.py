@@ -386,6 +386,26 @@ def test_bad_flag_exits_2_within_seconds(tmp_path, case, jax_cache):
 # --- resuming with other settings
 
 
+def test_other_data_under_the_same_path_is_refused_and_a_relative_path_is_the_same(tmp_path, monkeypatch):
+  """A checkpoint records its data's token counts beside the path: a file replaced by another is noticed; the
+  same file given relative to here instead of absolute is the same data."""
+  text = tmp_path / "d.txt"
+  text.write_bytes(bytes(range(32, 127)) * 100)
+  loop.run(tiny(tmp_path / "c", data=str(text), steps=10))
+  monkeypatch.chdir(tmp_path)
+  assert loop.run(tiny(tmp_path / "c", data="d.txt", steps=20, allow_change=("steps",)))["steps"] == 20
+  text.write_bytes(bytes(range(32, 127)) * 120)
+  with pytest.raises(checkpoint.ResumeMismatchError, match=r"data: 'd.txt' held \{'train': 8550, 'val': 950\} "
+                     r"tokens \(training, held out\) when the checkpoint was saved and holds \{'train': 10260, "
+                     r"'val': 1140\} now: other data under the same --data"):
+    loop.run(tiny(tmp_path / "c", data="d.txt", steps=30, allow_change=("steps",)))
+
+
+def test_a_checkpoint_saved_before_token_counts_were_kept_resumes_on_its_data_path():
+  saved = {"model": {}, "seed": 0, "data": "python-stdlib", "pack": False, "run": {}}
+  assert checkpoint.check_meta("c", 1, saved, saved | {"data_tokens": {"train": 5, "val": 1}}) == {}
+
+
 @pytest.mark.parametrize("flags, difference", [
     (["--lr", "1e-3"], "run.lr: checkpoint 0.003, now 0.001 (accept with --allow-change lr)"),
     (["--batch-size", "16"], "run.batch_size: checkpoint 8, now 16 (accept with --allow-change batch_size)"),

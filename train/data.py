@@ -61,6 +61,11 @@ class Dataset:
     rows = np.stack([docs[d][s:s + seq_len + 1] for d, s in zip(which, starts)]).astype(np.int32)
     return rows[:, :-1], rows[:, 1:]
 
+  def tokens(self) -> dict:
+    """Token counts of the training and held-out texts: what a checkpoint records beside the data's name, so
+    that other data under the same name (a file replaced, another Python's standard library) is noticed."""
+    return {"train": sum(len(t) for t in self.train), "val": sum(len(t) for t in self.val)}
+
   def packed_batch(self, seed: int, step: int, batch_size: int) -> tuple[np.ndarray, ...]:
     """The training split's packed rows of `step`: (inputs, targets, segment_ids, positions), each int32
     (batch_size, seq_len), a function of (seed, step) only (train.packing)."""
