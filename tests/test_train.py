@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 import models
-from train import cli, data, loop, report
+from train import cli, data, loop, report, signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -346,6 +346,24 @@ def test_a_prompt_from_a_file_cut_for_validation_starts_at_a_line(tmp_path, caps
   cli.main(["--preset", "tiny", "--seq-len", "32", "--batch-size", "4", "--steps", "1", "--data", str(tmp_path / "t.txt"),
             "--sample-tokens", "4", "--eval-every", "0", "--no-progress", "--no-ckpt"])
   assert "prompt (the start of the first validation text):\nline number " in capsys.readouterr().out
+
+
+def test_a_signal_after_the_last_step_skips_the_sample_and_exits_as_a_stop(tmp_path, monkeypatch):
+  """SIGTERM while the summary is made (after the last step was saved): no end-of-run sample, the summary is
+  still written, and the run ends as stopped (exit code 128 + signal), not as a finished run."""
+  real = report.summary
+  def summary(s, *args):
+    s.stop.received = signal.SIGTERM  # as the handler records it
+    return real(s, *args)
+  monkeypatch.setattr(report, "summary", summary)
+  monkeypatch.setattr(report, "_sample", lambda *a: pytest.fail("sampled after the signal"))
+  cfg = loop.TrainConfig(model=models.preset("tiny", seq_len=32), steps=2, batch_size=4, warmup=1, eval_every=0,
+                         sample_tokens=8, progress=False, ckpt_dir=str(tmp_path / "c"),
+                         metrics=str(tmp_path / "m.jsonl"))
+  with pytest.raises(signals.Stopped, match="stopped by SIGTERM at the end of the run, after step 2: saved in") as e:
+    loop.run(cfg)
+  assert e.value.exit_code == 128 + signal.SIGTERM and os.path.isdir(tmp_path / "c" / "2")
+  assert json.loads(open(tmp_path / "m.jsonl").readlines()[-1])["event"] == "summary"
 
 
 def _fp8_state():

@@ -414,4 +414,8 @@ def run(cfg: TrainConfig) -> dict:
     state, loss = _train(s, state)
     summary = report.summary(s, state, loss, dataset)
     out.write(summary)
+    if stop.received is not None:  # it came after the last step's report (which saved it): during the summary
+      where = f"saved in {ckpts.directory}" if ckpts else "nothing saved (no --ckpt-dir)"
+      raise signals.Stopped(stop.received, cfg.steps, f"stopped by {stop.name} at the end of the run, after step "
+                            f"{cfg.steps}: {where}")
   return summary

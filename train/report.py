@@ -53,7 +53,7 @@ def summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) 
       "kernels": kernels.resolve(mcfg.kernels)[0],  # the loss's, the LayerNorms' and bias + GELU's
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
-  if cfg.sample_tokens:
+  if cfg.sample_tokens and s.stop.received is None:  # a signal after the last step: no sample, stop now
     summary |= _sample(s, state, dataset)
   return summary
 
