@@ -256,6 +256,20 @@ def test_a_run_that_fails_before_saving_leaves_no_folder(tmp_path, monkeypatch, 
   assert os.listdir(tmp_path / cli.RUNS) == []
 
 
+def test_a_ckpt_dir_the_run_made_is_removed_when_it_fails_before_saving(tmp_path, capsys):
+  """--ckpt-dir naming a new folder: a run refused after locking it (the vocabulary too small for the data)
+  leaves no folder holding only its lock; a folder that existed before stays."""
+  args = ["--preset", "tiny", "--seq-len", "32", "--vocab-size", "100", "--no-progress", "--ckpt-dir"]
+  for existed in (False, True):
+    path = tmp_path / f"c{existed}"
+    if existed:
+      path.mkdir()
+    with pytest.raises(SystemExit) as e:
+      cli.main([*args, str(path)])
+    assert e.value.code == 2 and "vocab" in capsys.readouterr().err
+    assert path.exists() == existed
+
+
 def test_ckpt_dir_and_no_ckpt_exclude_each_other(capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["--ckpt-dir", "x", "--no-ckpt"])
