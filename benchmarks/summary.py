@@ -14,6 +14,9 @@ import re
 from benchmarks import report
 
 
+REQUIRED = {"layer.json": "layer", "fp8.json": "fp8", "wrapper.json": "wrapper", "train.json": "train"}  # by
+
+
 def _load(directory: str, name: str) -> dict:
   with open(os.path.join(directory, name)) as f:
     return json.load(f)
@@ -169,9 +172,16 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="benchmarks/RESULTS.md")
   p.add_argument("--note", help="a line to add under the header, e.g. versions the JSON files do not record")
   a = p.parse_args(argv)
+  missing = [f"{name} (python -m benchmarks.{by})" for name, by in REQUIRED.items()
+             if not os.path.isfile(os.path.join(a.directory, name))]
+  if missing:
+    p.error(f"{a.directory} lacks {', '.join(missing)}: the page needs all of {', '.join(REQUIRED)} (bash "
+            f"benchmarks/h200.sh writes them on a GPU; fp8 and wrapper need one); {a.out} is left as it was")
   rel = os.path.relpath(a.directory, os.path.dirname(os.path.abspath(a.out)))
-  with open(a.out, "w") as f:
-    f.write(render(a.directory, rel, a.note))
+  page = render(a.directory, rel, a.note)  # the whole page first: a failure leaves the old file whole
+  with open(a.out + ".tmp", "w") as f:
+    f.write(page)
+  os.replace(a.out + ".tmp", a.out)
   print(f"wrote {a.out}")
 
 

@@ -311,3 +311,23 @@ def test_wrapper_refuses_in_one_line_where_its_kernel_cannot_run(capsys):
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="the GPU yardstick is 8192^3")
 def test_the_matmul_yardstick_is_small_off_a_gpu():
   assert common.yardstick_n() == 512  # an 8192^3 bf16 matmul chain takes minutes a call on a CPU
+
+
+def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_its_inputs(tmp_path, capsys,
+                                                                                        monkeypatch):
+  """benchmarks.summary on the published results reproduces RESULTS.md; on a folder without the JSON files it
+  exits 2 naming them, and the page it would have written is left as it was (it was emptied first)."""
+  from benchmarks import summary
+  page = os.path.join(ROOT, "benchmarks", "RESULTS.md")
+  out = tmp_path / "RESULTS.md"
+  out.write_text("the page before")
+  with pytest.raises(SystemExit) as e:
+    summary.main([str(tmp_path / "nowhere"), "--out", str(out)])
+  assert e.value.code == 2 and "lacks layer.json (python -m benchmarks.layer), fp8.json" in capsys.readouterr().err
+  assert out.read_text() == "the page before"
+  monkeypatch.chdir(ROOT)  # the page names the folder as given
+  summary.main(["benchmarks/results/h200", "--out", "benchmarks/RESULTS.md.again"])
+  try:
+    assert open(page + ".again").read() == open(page).read()
+  finally:
+    os.remove(page + ".again")
