@@ -219,6 +219,9 @@ def check_amax_history(history, fp8_core: str) -> None:
     raise ValueError("fp8_amax_history= scales te-fp8's FP8 core, but fp8_core='bf16' runs the bf16 core; drop one")
 
 
+WINDOW_MAX = 2**30  # a window side's largest value: positions (< 2**30) plus it stay within int32
+
+
 def check_window(window) -> tuple[int, int] | None:
   """A sliding window: None (every key) or (left, right), two Python ints >= 0, known when the call is traced."""
   if window is None:
@@ -228,6 +231,9 @@ def check_window(window) -> tuple[int, int] | None:
   if not ok:
     raise ValueError(f"window must be (left, right), two ints >= 0: a query at position p attends keys in "
                      f"[p - left, p + right] (causal: right = 0; None: no window); got {window!r}")
+  if max(window) > WINDOW_MAX:  # positions are int32: p + right must not wrap
+    raise ValueError(f"window sides must be at most 2**30 ({WINDOW_MAX}): a side as long as the sequence already "
+                     f"reaches every key that way (None: no window); got {window!r}")
   return int(window[0]), int(window[1])
 
 
@@ -337,6 +343,9 @@ def _check_segment_ids(name: str, x, shape: tuple[int, int], letters: str) -> No
   values = np.asarray(x)
   if values.min() < 0:
     raise ValueError(f"{name} must be >= 0 (documents 1, 2, ...; 0 = padding); got {int(values.min())}")
+  if values.max() > np.iinfo(np.int32).max:  # the kernels compare ids as int32, where this one would wrap
+    raise ValueError(f"{name} must fit int32 (at most {np.iinfo(np.int32).max}); got {int(values.max())}: number "
+                     "each row's documents 1, 2, ...")
 
 
 def run_starts(ids):

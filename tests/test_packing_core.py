@@ -118,6 +118,10 @@ BAD = {
     "segments-float": (dict(segment_ids=jnp.ones((2, 6))), "float32"),
     "segments-negative": (dict(segment_ids=jnp.full((2, 6), -1, jnp.int32)), ">= 0"),
     "segments-triple": (dict(segment_ids=(jnp.ones((2, 6), jnp.int32),) * 3), "pair"),
+    # int32 wraps these: 2**32 + 1 would read as 1, 2**31 + 1 as a negative id
+    "segments-past-int32": (dict(segment_ids=np.full((2, 6), 2**32 + 1, np.int64)), r"must fit int32 .*4294967297"),
+    "segments-uint32-past-int32": (dict(segment_ids=np.full((2, 6), 2**31 + 1, np.uint32)), "must fit int32"),
+    "window-past-2**30": (dict(window=(0, 2**31 - 1)), r"at most 2\*\*30"),  # p + right wrapped: rows emptied
 }
 
 
