@@ -10,6 +10,7 @@ and their convention: benchmarks.flops.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import platform
 import time
@@ -25,6 +26,17 @@ class Timing:
   p10_ms: float
   p90_ms: float
   calls: int
+
+
+def positive_int(text: str) -> int:
+  """argparse type of a count or size flag: an int >= 1, else the flag's one-line error."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"must be an int >= 1; got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be an int >= 1; got {value}")
+  return value
 
 
 def time_fn(fn, *args, warmup: int = 3, calls: int = 20) -> Timing:

@@ -282,17 +282,20 @@ def main(argv=None) -> None:
                  choices=["default", "seq", "batch", "heads", "headdim", *packing.SECTIONS],
                  help=f"default: all but {' and '.join(packing.SECTIONS)} (benchmarks.packing: packed documents, "
                       "causal sliding windows; each row's ratio is to a baseline timed in the same run)")
-  p.add_argument("--seqs", type=int, nargs="+", help="T values of the seq section (default 64 ... 16384)")
-  p.add_argument("--batches", type=int, nargs="+", help="B values of the batch sections (default 1 ... 16)")
+  p.add_argument("--seqs", type=common.positive_int, nargs="+", help="T values of the seq section (default 64 ... 16384)")
+  p.add_argument("--batches", type=common.positive_int, nargs="+", help="B values of the batch sections (default 1 ... 16)")
   p.add_argument("--levels", nargs="+", choices=["core", "layer"], default=["core", "layer"],
                  help="core: attnlayers.attention; layer: the nnx layer, projections + core")
-  p.add_argument("--calls", type=int, help="timed calls per row (default 20; 3 with --quick)")
+  p.add_argument("--calls", type=common.positive_int, help="timed calls per row (default 20; 3 with --quick)")
   p.add_argument("--backends", nargs="+", choices=[b for b, _ in BACKEND_DTYPES] + list(RAW),
                  help="only these backends' rows (default: every one)")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   p.add_argument("--merge", nargs="+", metavar="LAYER_JSON",
                  help="times nothing: writes one report from earlier runs' layer.json (e.g. one per --sections)")
   a = p.parse_args(argv)
+  missing = [path for path in a.merge or [] if not os.path.isfile(path)]
+  if missing:
+    p.error(f"--merge: no such file: {', '.join(missing)}")
   if a.merge:
     runs = []
     for path in a.merge:
@@ -310,6 +313,8 @@ def main(argv=None) -> None:
   env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": matmul_n}
   cases = [c for c in plan(a.quick, a.sections, a.seqs, a.batches, tuple(a.levels))
            if a.backends is None or c.backend in a.backends]
+  if not cases:
+    p.error(f"no rows: --sections {' '.join(a.sections)} has no row of --backends {' '.join(a.backends)}")
   rows, reference = [], {}
   for c in tqdm(cases, unit="row"):
     ref = None

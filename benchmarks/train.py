@@ -119,10 +119,10 @@ def main(argv=None) -> None:
   p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"],
                  help="one training run each; default: naive xla cudnn te te-fp8")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small", help="default: gpt2-small")
-  p.add_argument("--seq-len", type=int, nargs="+", help="default: the preset's context (1024 for gpt2-small)")
-  p.add_argument("--batch-size", type=int, nargs="+", default=[32],
+  p.add_argument("--seq-len", type=common.positive_int, nargs="+", help="default: the preset's context (1024 for gpt2-small)")
+  p.add_argument("--batch-size", type=common.positive_int, nargs="+", default=[32],
                  help="global batch; one value for every --seq-len, or one per --seq-len; default: 32")
-  p.add_argument("--steps", type=int, default=40, help="steps per run (default 40); the rate is the median of the "
+  p.add_argument("--steps", type=common.positive_int, default=40, help="steps per run (default 40); the rate is the median of the "
                  "reported intervals after the first")
   p.add_argument("--packing", nargs="+", choices=PACKINGS, default=["unpacked"],
                  help="unpacked windows, packed documents (train --pack), or both side by side; with packed, every "
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
                       "(train --no-bias, nanoGPT's train.py default), or both side by side; default: with")
   p.add_argument("--data", help="train --data (default: the embedded corpus)")
   p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
-  p.add_argument("--matmul-n", type=int, help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, "
+  p.add_argument("--matmul-n", type=common.positive_int, help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, "
                  "512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
@@ -169,6 +169,8 @@ def main(argv=None) -> None:
   write(a.out, env, rows)
   print(table(rows))
   print(f"wrote train.md, train.json, train.csv and the tokens/s plots to {a.out}", flush=True)
+  if all(r["status"] == "error" for r in rows):  # written for their reasons, but nothing was measured
+    sys.exit(f"every run failed ({len(rows)}): see the reasons above")
 
 
 def write(out: str, env: dict, rows: list[dict]) -> None:

@@ -331,3 +331,30 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
     assert open(page + ".again").read() == open(page).read()
   finally:
     os.remove(page + ".again")
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("benchmarks.layer", ["--quick", "--seqs", "0"], "--seqs: must be an int >= 1; got 0"),
+    ("benchmarks.layer", ["--quick", "--calls", "0"], "--calls: must be an int >= 1; got 0"),
+    ("benchmarks.layer", ["--merge", "/nonexistent/layer.json"], "--merge: no such file: /nonexistent/layer.json"),
+    ("benchmarks.layer", ["--quick", "--sections", "window", "--backends", "cudnn-raw"],
+     "no rows: --sections window has no row of --backends cudnn-raw"),
+    ("benchmarks.train", ["--steps", "0"], "--steps: must be an int >= 1; got 0"),
+    ("benchmarks.train", ["--matmul-n", "0"], "--matmul-n: must be an int >= 1; got 0"),
+    ("benchmarks.train", ["--seq-len", "-8"], "--seq-len: must be an int >= 1; got -8"),
+], ids=["layer-seqs-0", "layer-calls-0", "layer-merge-missing", "layer-no-rows", "train-steps-0", "train-matmul-0",
+        "train-seq-len-negative"])
+def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message):
+  proc = subprocess.run([sys.executable, "-m", module, *args, "--out", "/nonexistent-out"], cwd=ROOT,
+                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1500:]
+
+
+def test_train_benchmark_exits_non_zero_when_every_run_failed(tmp_path):
+  """The report is written with each run's reason, and the exit status says nothing was measured."""
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.train", "--preset", "tiny", "--backends", "xla",
+                         "--steps", "2", "--seq-len", "32", "--batch-size", "4", "--matmul-n", "64",
+                         "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path)], cwd=ROOT,
+                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+  assert proc.returncode == 1 and "every run failed (1)" in proc.stderr, proc.stderr[-1500:]
+  assert json.load(open(tmp_path / "train.json"))["rows"][0]["status"] == "error"
