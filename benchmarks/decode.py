@@ -86,7 +86,7 @@ class _Repeat:
     leaves = jax.tree_util.tree_leaves(state["cache"])
     new = iter(_fill([x for x, i in zip(leaves, self.is_index) if i], self.pos))
     cache = jax.tree_util.tree_unflatten(self.tree, [next(new) if i else x for x, i in zip(leaves, self.is_index)])
-    self.state = state | {"cache": cache, "pos": np.full_like(state["pos"], self.pos)}
+    self.state = state | {"cache": cache, "pos": np.full(np.shape(state["pos"]), self.pos, np.int64)}  # no wait
     return self.out
 
 

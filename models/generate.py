@@ -220,7 +220,8 @@ class Decoder:
     """The parameters, an empty cache for (batch, cache_len) and the sampling's random key."""
     cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._cache_shapes)
     return {"params": self.params, "rest": self.rest, "cache": cache, "key": jax.random.key(self.sampling.seed),
-            "pos": np.zeros((self.batch,), np.int64)}  # pos: each row's next position, known on the host
+            "pos": np.zeros((self.batch,), np.int64)}  # pos: each row's next position (a decode makes it a device
+    # array, read when a later call checks its room)
 
   def _args(self, state: dict) -> tuple:
     return state["params"], state["rest"], state["cache"], state["key"]
@@ -252,7 +253,8 @@ class Decoder:
     first = _pad_rows(jnp.asarray(first_tokens, jnp.int32), self.rows)
     cache, key, out, n_new, ran = self._decode(*self._args(state), first, jnp.int32(steps), jnp.int32(self.stop))
     # the loop ends early once every row has stopped: each row's cache then holds `ran` more, not `steps`
-    return (state | {"cache": cache, "key": key, "pos": state["pos"] + int(ran)}, out[:self.batch, :steps],
+    # (a device scalar, not waited for here: the next call that checks a position reads it)
+    return (state | {"cache": cache, "key": key, "pos": state["pos"] + ran}, out[:self.batch, :steps],
             n_new[:self.batch])
 
 

@@ -191,6 +191,29 @@ def test_a_decode_that_ends_early_advances_each_row_by_the_steps_it_ran():
   assert state["pos"].tolist() == [3 + int(n_new[0])]  # one row: the loop ran until its stop, or 61 steps
 
 
+def test_generate_runs_each_program_once_untimed_before_the_timed_run(monkeypatch):
+  """A program's first run loads its kernels: generate() runs prefill and a decode step once on a state of their
+  own, then times a fresh one, whose tokens (same seed) are what a run without the warm-up gives."""
+  calls = []
+  for name in ("prefill", "decode"):
+    real = getattr(Decoder, name)
+    monkeypatch.setattr(Decoder, name, lambda self, state, *a, _real=real, _name=name:
+                        calls.append((_name, id(state["cache"]))) or _real(self, state, *a))
+  m = model(config(n_layer=1))
+  sampling = Sampling(temperature=1.0, seed=7)
+  gen = generate(m, PROMPTS[:2], max_new_tokens=6, sampling=sampling)
+  assert [c[0] for c in calls] == ["prefill", "decode", "prefill", "decode"]
+  assert calls[0][1] != calls[2][1]  # the timed prefill starts from a new cache, not the warm-up's
+  monkeypatch.undo()
+  d = Decoder(m, batch=2, cache_len=64, prompt_len=64, sampling=sampling)
+  prompts, lengths = np.zeros((2, 64), np.int32), np.array([len(p) for p in PROMPTS[:2]])
+  for b, p in enumerate(PROMPTS[:2]):
+    prompts[b, :len(p)] = p
+  state, first = d.prefill(d.init_state(), prompts, lengths)
+  state, tokens, n_new = d.decode(state, first, 5)
+  assert [t.tolist() for t in gen.tokens] == [[int(first[b])] + tokens[b].tolist() for b in range(2)]
+
+
 def test_sampling_follows_seed_temperature_and_top_k():
   m = model(config(n_layer=1))
   draw = lambda **kw: [t.tolist() for t in generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=Sampling(**kw)).tokens]
