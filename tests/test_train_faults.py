@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import models
-from train import checkpoint, cli, data, loop, optim, stepdirs
+from train import checkpoint, cli, data, lock, loop, optim, stepdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -243,6 +243,28 @@ def _holder(directory, jax_cache) -> subprocess.Popen:
   proc = popen(["-c", HOLD_LOCK, str(directory)], jax_cache)
   assert proc.stdout.readline().strip() == "locked", proc.stderr.read()
   return proc
+
+
+def test_a_trainer_refused_the_lock_leaves_the_holders_new_folder_alone(tmp_path, monkeypatch):
+  """Two runs given one new --ckpt-dir: the one that made it holds it; the other, refused its lock, neither
+  removes the folder nor the holder's lock (both had seen no folder there before they started)."""
+  holder = checkpoint.Checkpoints(str(tmp_path / "new"))
+  try:
+    assert holder.made
+    monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built a model without the lock"))
+    with pytest.raises(lock.LockedError, match="in use by another trainer"):
+      loop.run(tiny(tmp_path / "new"))
+    assert sorted(os.listdir(tmp_path / "new")) == ["attnlayers.lock"]
+  finally:
+    holder.close()
+  mine = tmp_path / "mine"
+  mine.mkdir()  # a folder that existed stays even when the run fails before saving
+  with pytest.raises(ValueError, match="vocab"):
+    loop.run(tiny(mine, model=models.preset("tiny", seq_len=32, vocab_size=100)))
+  assert os.listdir(mine) == ["attnlayers.lock"]
+  with pytest.raises(ValueError, match="vocab"):  # and one it made goes
+    loop.run(tiny(tmp_path / "made", model=models.preset("tiny", seq_len=32, vocab_size=100)))
+  assert not (tmp_path / "made").exists()
 
 
 def test_second_trainer_is_refused_naming_the_holder(tmp_path, jax_cache, capsys):

@@ -56,10 +56,17 @@ class Checkpoints:
     self.keep = keep
     self.last_good: int | None = None  # the newest step this run restored after verifying it, or saved
     self.set_aside: list[str] = []  # damaged steps this run renamed, as their new paths
+    self.made = False  # this process made the folder (os.mkdir succeeded): discard_if_unused may remove it
     self.lock = lock.DirLock(self.directory)
     if jax.process_index() == 0:
       try:
-        os.makedirs(self.directory, exist_ok=True)
+        os.makedirs(os.path.dirname(self.directory), exist_ok=True)
+        try:
+          os.mkdir(self.directory)
+          self.made = True
+        except FileExistsError:
+          if not os.path.isdir(self.directory):
+            raise
         self.lock.acquire()
         tempfile.TemporaryFile(dir=self.directory, prefix=".attnlayers-probe-").close()  # saving will work
       except (FileExistsError, NotADirectoryError):
@@ -187,6 +194,14 @@ class Checkpoints:
       more = f" (and {len(diffs) - 1} more arrays differ)" if len(diffs) > 1 else ""
       raise ResumeMismatchError(f"cannot resume from {self.directory} (step {step}): its arrays do not fit this "
                                 f"model: {diffs[0]}{more}")
+
+  def discard_if_unused(self) -> None:
+    """Removes the folder this process made and holds the lock of, where it holds nothing but the lock (the run
+    failed before saving); a folder that existed, or another trainer's, stays."""
+    if (jax.process_index() == 0 and self.made and self.lock.fd is not None
+        and set(os.listdir(self.directory)) <= {lock.LOCK_NAME}):
+      os.remove(self.lock.path)
+      os.rmdir(self.directory)
 
   def close(self) -> None:
     self.checkpointer.close()

@@ -174,8 +174,8 @@ def _agreed(path: str) -> str:
 
 
 def _discard_if_unused(path: str) -> None:
-  """Removes the checkpoint folder this run made (its own, or a --ckpt-dir that did not exist) where it holds
-  nothing but the lock file: the run failed before saving."""
+  """Removes a run folder fresh_run_dir made for this run that holds nothing but the lock file (the run failed
+  before saving)."""
   if jax.process_index() == 0 and os.path.isdir(path) and set(os.listdir(path)) <= {lock.LOCK_NAME}:
     for name in os.listdir(path):
       os.remove(os.path.join(path, name))
@@ -248,7 +248,6 @@ def main(argv=None) -> None:
             file=sys.stderr)
       sys.exit(2)
     cfg = dataclasses.replace(cfg, ckpt_dir=_agreed(made))
-  made = fresh or (cfg.ckpt_dir is not None and not os.path.lexists(cfg.ckpt_dir))  # a folder this run makes
   print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   try:
     summary = loop.run(cfg)
@@ -257,7 +256,7 @@ def main(argv=None) -> None:
     sys.exit(e.exit_code)
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
-    if made:
+    if fresh:  # made by fresh_run_dir: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
       _discard_if_unused(cfg.ckpt_dir)
     print(f"error: {e}{_flag_hint(e, a)}", file=sys.stderr)
     sys.exit(2)

@@ -173,6 +173,8 @@ def _open_outputs(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[checkp
   ckpts = checkpoint.Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
   if ckpts:
     stack.callback(ckpts.close)
+    # a run refused after this (not stopped by a signal) removes the folder it made, if it saved nothing there
+    stack.push(lambda kind, *_: kind and not issubclass(kind, signals.Stopped) and ckpts.discard_if_unused())
     ours = ckpts.listing().ours
     if cfg.profile_dir and ours and cfg.steps - ours[-1] < PROFILE_WINDOW[1]:
       raise ValueError(f"--profile-dir traces steps {PROFILE_WINDOW[0]}-{PROFILE_WINDOW[1]} after the resume "
