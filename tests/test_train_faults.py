@@ -179,7 +179,8 @@ def test_foreign_folders_survive_rotation(ckpt, capsys):
 def test_foreign_folder_where_a_step_would_be_saved_is_refused(ckpt):
   (ckpt / "30").mkdir()
   (ckpt / "30" / "notes.txt").write_text("notes")
-  with pytest.raises(checkpoint.CheckpointError, match="holds files or folders named 30 .*without attnlayers.json"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="where this run would save steps, without attnlayers.json: .*/30\\. Move"):
     loop.run(tiny(ckpt, steps=40, allow_change=("steps",)))
   assert (ckpt / "30" / "notes.txt").read_text() == "notes"
 
@@ -191,7 +192,7 @@ def test_a_file_or_saving_folder_where_a_step_would_be_saved_is_refused_before_t
   path = ckpt / name
   path.write_text("notes") if is_file else (path.mkdir(), (path / "notes.txt").write_text("notes"))
   monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built a model before refusing"))
-  with pytest.raises(checkpoint.CheckpointError, match="holds files or folders named 30 "):
+  with pytest.raises(checkpoint.CheckpointError, match=f"without attnlayers.json: {path}\\. Move"):
     loop.run(tiny(ckpt, steps=40, allow_change=("steps",)))
   assert (path if is_file else path / "notes.txt").read_text() == "notes"
 
@@ -214,7 +215,8 @@ def test_fresh_run_refuses_a_foreign_folder_where_it_would_save_before_training(
   (tmp_path / "c" / "20").mkdir(parents=True)
   (tmp_path / "c" / "20" / "notes.txt").write_text("notes")
   monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built a model before refusing"))
-  with pytest.raises(checkpoint.CheckpointError, match="holds files or folders named 20 .*without attnlayers.json"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="where this run would save steps, without attnlayers.json: .*/20\\. Move"):
     loop.run(tiny(tmp_path / "c", steps=20))
   assert (tmp_path / "c" / "20" / "notes.txt").read_text() == "notes"
 

@@ -82,7 +82,8 @@ class Checkpoints:
       for name in deleted:
         _say(f"removed {os.path.join(self.directory, name)}: a save of this program that was stopped")
       for name in left:
-        _say(f"{os.path.join(self.directory, name)} is not a save {stepdirs.JOURNAL} names: it is left alone")
+        _say(f"{os.path.join(self.directory, name)} is not a save {stepdirs.JOURNAL} names: it is left alone (an "
+             "attnlayers from before that journal left a stopped save like this; delete it if it is one)")
       for step in found.foreign:
         _say(f"{stepdirs.step_path(self.directory, step)} has no {stepdirs.MANIFEST}: not a checkpoint this "
              "program wrote, so it is never restored nor deleted")

@@ -197,13 +197,14 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile)
   step = ckpts.newest_intact() if ckpts else None
   if ckpts:  # fresh or resumed: a folder that is not ours where this run would save stops it now, not at the save
     saves = [s for s in range((step or 0) + 1, cfg.steps + 1) if s % cfg.ckpt_every == 0 or s == cfg.steps]
-    taken = set(ckpts.listing().foreign) | {s for s in saves if os.path.lexists(stepdirs.saving_path(ckpts.directory, s))}
-    blocked = sorted(taken & set(saves))
-    if blocked:
+    foreign = set(ckpts.listing().foreign)
+    paths = [p for s in saves for p in (stepdirs.step_path(ckpts.directory, s), stepdirs.saving_path(ckpts.directory, s))
+             if os.path.lexists(p) and (p.endswith(stepdirs.SAVING) or s in foreign)]
+    if paths:
       raise checkpoint.CheckpointError(
-          f"{ckpts.directory} holds files or folders named {', '.join(map(str, blocked))} (or <step>.saving) "
-          f"without {stepdirs.MANIFEST}; this run would save those steps there: move them, or give another "
-          "--ckpt-dir")
+          f"{ckpts.directory} holds files or folders where this run would save steps, without {stepdirs.MANIFEST}: "
+          f"{', '.join(paths)}. Move them, or give another --ckpt-dir (a <step>.saving folder may be a save an "
+          "attnlayers from before attnlayers.saving was kept left stopped: delete it if it is one)")
   if step is None:
     return 0
   if step > cfg.steps:  # before the settings' check, which would offer --allow-change steps for it
