@@ -197,6 +197,23 @@ def test_a_file_or_saving_folder_where_a_step_would_be_saved_is_refused_before_t
   assert (path if is_file else path / "notes.txt").read_text() == "notes"
 
 
+def test_a_save_stopped_inside_orbax_is_removed_on_the_next_start(tmp_path, capsys):
+  """Checkpoints.save names the step in the journal before orbax writes: a save killed part-way leaves
+  <step>.saving, which the next start removes as its own."""
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "c"))
+  def killed(path, **_):
+    os.makedirs(os.path.join(path, "state"))
+    raise KeyboardInterrupt  # as a second Ctrl-C in the middle of orbax's write
+  ckpts.checkpointer.save = killed
+  with pytest.raises(KeyboardInterrupt):
+    ckpts.save(10, {"params": {"w": jnp.zeros(2)}}, {})
+  ckpts.close()
+  assert sorted(os.listdir(tmp_path / "c")) == sorted(["10.saving", stepdirs.JOURNAL, "attnlayers.lock"])
+  checkpoint.Checkpoints(str(tmp_path / "c")).close()
+  assert f"removed {tmp_path / 'c' / '10.saving'}: a save of this program that was stopped" in capsys.readouterr().err
+  assert sorted(os.listdir(tmp_path / "c")) == ["attnlayers.lock"]
+
+
 def test_only_the_stopped_save_the_journal_names_is_removed(ckpt, capsys):
   """A save stopped mid-way leaves <step>.saving (and orbax's temporary folder) and the journal naming the step:
   those go; a <step>.saving... folder the journal does not name is a user's, and stays."""
