@@ -9,6 +9,7 @@ compilation cache so that each pays only python's start and jax's import.
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -428,23 +429,30 @@ def test_bad_flag_exits_2_within_seconds(tmp_path, case, jax_cache):
 
 
 def test_other_data_under_the_same_path_is_refused_and_a_relative_path_is_the_same(tmp_path, monkeypatch):
-  """A checkpoint records its data's token counts beside the path: a file replaced by another is noticed; the
-  same file given relative to here instead of absolute is the same data."""
+  """A checkpoint records its data's resolved path and content: a file replaced by another, even of the same size,
+  is noticed; the same file given relative to here instead of absolute is the same data."""
   text = tmp_path / "d.txt"
   text.write_bytes(bytes(range(32, 127)) * 100)
   loop.run(tiny(tmp_path / "c", data=str(text), steps=10))
   monkeypatch.chdir(tmp_path)
   assert loop.run(tiny(tmp_path / "c", data="d.txt", steps=20, allow_change=("steps",)))["steps"] == 20
-  text.write_bytes(bytes(range(32, 127)) * 120)
-  with pytest.raises(checkpoint.ResumeMismatchError, match=r"data: 'd.txt' held \{'train': 8550, 'val': 950\} "
-                     r"tokens \(training, held out\) when the checkpoint was saved and holds \{'train': 10260, "
-                     r"'val': 1140\} now: other data under the same --data"):
+  text.write_bytes(bytes(range(126, 31, -1)) * 100)  # the same size, other bytes
+  with pytest.raises(checkpoint.ResumeMismatchError, match=rf"data: '{re.escape(str(text))}' held other data when "
+                     r"the checkpoint was saved: \{'train': 8550, 'val': 950, 'sha256': '[0-9a-f]{64}'\} then"):
     loop.run(tiny(tmp_path / "c", data="d.txt", steps=30, allow_change=("steps",)))
 
 
-def test_a_checkpoint_saved_before_token_counts_were_kept_resumes_on_its_data_path():
-  saved = {"model": {}, "seed": 0, "data": "python-stdlib", "pack": False, "run": {}}
-  assert checkpoint.check_meta("c", 1, saved, saved | {"data_tokens": {"train": 5, "val": 1}}) == {}
+def test_a_checkpoint_saved_before_data_content_was_kept_resumes_on_its_path_as_typed(tmp_path, monkeypatch):
+  """Such a checkpoint recorded --data as typed: it resumes where that path resolves to this run's, never on
+  the default data's name taken as a path."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "d.txt").write_text("x")
+  now = {"data_content": {"train": 5, "val": 1, "sha256": "0" * 64}, "model": {}, "seed": 0, "pack": False, "run": {}}
+  old = {"model": {}, "seed": 0, "pack": False, "run": {}}
+  assert checkpoint.check_meta("c", 1, old | {"data": "d.txt"}, now | {"data": data.source("d.txt")}) == {}
+  assert checkpoint.check_meta("c", 1, old | {"data": "python-stdlib"}, now | {"data": "python-stdlib"}) == {}
+  with pytest.raises(checkpoint.ResumeMismatchError, match="data: checkpoint 'python-stdlib', now"):
+    checkpoint.check_meta("c", 1, old | {"data": "python-stdlib"}, now | {"data": data.source("python-stdlib")})
 
 
 @pytest.mark.parametrize("flags, difference", [

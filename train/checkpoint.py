@@ -1,7 +1,7 @@
 """Checkpoints with orbax: model + optimizer state + step + the settings that shape the run.
 
 Each step folder holds `state` (params and optimizer state), `meta` (step, the model's
-architecture fields and attention window, seed, data source and its token counts, packing, and the run's
+architecture fields and attention window, seed, data source and content, packing, and the run's
 trajectory settings) and, for te-fp8 runs, `fp8` (FP8 scaling state), written by orbax,
 plus our manifest (train.stepdirs), which is what marks the folder as ours and lets a
 restore prove it intact. A run may switch attention backend on resume: FP8 state is then
@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from train import lock, stepdirs
+from train import data, lock, stepdirs
 
 
 class ResumeMismatchError(ValueError):
@@ -244,25 +244,27 @@ META_FLAGS = {"seed": "--seed", "data": "--data", "pack": "--pack / --no-pack", 
 
 
 def _same_path(a, b) -> bool:
-  """--data given as one path relative here and absolute, or through './'."""
-  return isinstance(a, str) and isinstance(b, str) and os.path.abspath(a) == os.path.abspath(b)
+  """--data as a checkpoint from before data.source recorded it (as typed, maybe relative to where that run
+  started) and as this run resolves it: the same where the typed path resolves here to this run's."""
+  return (isinstance(a, str) and isinstance(b, str) and data.DEFAULT_NAME not in (a, b)
+          and data.source(a) == b)
 
 
 def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_change=()) -> dict:
   """Refuses a resume that would not continue the saved run; returns the changes `allow_change` accepts.
 
-  Architecture (with the attention window), seed, data (its path, relative or absolute, and its token counts,
-  where the checkpoint recorded them) and packing must match; the trajectory
+  Architecture (with the attention window), seed, data (its resolved path, and its content as Dataset.content
+  records it, where the checkpoint did) and packing must match; the trajectory
   settings under "run" (learning rate, schedule length, batch, dtype, ...) may differ only
   where `allow_change` names them.
   Returns {setting: {"from": checkpoint's value, "to": this run's}} for the accepted differences.
   """
   diffs, accepted = [], {}
-  for key in ("model", "seed", "data", "data_tokens", "pack", "run"):
+  for key in ("model", "seed", "data", "data_content", "pack", "run"):
     a, b = saved.get(key, ABSENT_META.get(key)), expected.get(key)
-    if key == "data" and _same_path(a, b) or key == "data_tokens" and a is None:  # None: saved before it was kept
+    if key == "data" and _same_path(a, b) or key == "data_content" and a is None:  # None: saved before it was kept
       continue
-    if isinstance(a, dict) and isinstance(b, dict) and key != "data_tokens":
+    if isinstance(a, dict) and isinstance(b, dict) and key != "data_content":
       for k in sorted(set(a) | set(b)):
         was = a.get(k, ABSENT_FIELDS.get(key, {}).get(k))
         if was == b.get(k):
@@ -273,9 +275,9 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
           hint = (f" (accept with --allow-change {k})" if key == "run" else
                   f" (python -m train sets it with {MODEL_FLAGS[k]})" if key == "model" and k in MODEL_FLAGS else "")
           diffs.append(f"{key}.{k}: checkpoint {was!r}, now {b.get(k)!r}{hint}")
-    elif key == "data_tokens" and a != b:
-      diffs.append(f"data: {expected.get('data')!r} held {a} tokens (training, held out) when the checkpoint was "
-                   f"saved and holds {b} now: other data under the same --data")
+    elif key == "data_content" and a != b:
+      diffs.append(f"data: {expected.get('data')!r} held other data when the checkpoint was saved: {a} then, {b} "
+                   "now (token counts for training and held out, and a sha256 of each file's size and ends)")
     elif a != b:
       diffs.append(f"{key}: checkpoint {a!r}, now {b!r} (python -m train sets it with {META_FLAGS[key]})")
   if diffs:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import os
 import sysconfig
 
@@ -38,6 +39,8 @@ import numpy as np
 
 from train import packing
 
+DEFAULT_NAME = "python-stdlib"  # the default data's name (not a path)
+CONTENT_MIB = 1 << 20  # bytes of each end of a file that Dataset.content hashes
 SHARD_MAGIC = 20240520
 SHARD_HEADER_INTS = 256
 
@@ -50,6 +53,7 @@ class Dataset:
   val: list[np.ndarray]  # as train, held out; windows of these give val_loss in both modes
   packed: packing.Packed | None = None  # every training document end to end (load(pack=True)); else None
   prompt_start: int = 0  # where in val[0] a sample's prompt starts: past the first newline when val[0] is cut mid-file
+  files: tuple[str, ...] = ()  # the files read, in order
 
   def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, targets), each (batch_size, seq_len) int32; targets are inputs shifted by one."""
@@ -61,10 +65,18 @@ class Dataset:
     rows = np.stack([docs[d][s:s + seq_len + 1] for d, s in zip(which, starts)]).astype(np.int32)
     return rows[:, :-1], rows[:, 1:]
 
-  def tokens(self) -> dict:
-    """Token counts of the training and held-out texts: what a checkpoint records beside the data's name, so
-    that other data under the same name (a file replaced, another Python's standard library) is noticed."""
-    return {"train": sum(len(t) for t in self.train), "val": sum(len(t) for t in self.val)}
+  def content(self) -> dict:
+    """What a checkpoint records of the data beside its path, so that other data under the same path (a file
+    replaced, another Python's standard library) is noticed: the token counts of the training and held-out
+    texts, and a sha256 over each file's size and first and last MiB (cheap for shards of gigabytes)."""
+    h = hashlib.sha256()
+    for path in self.files:
+      size = os.path.getsize(path)
+      with open(path, "rb") as f:
+        head = f.read(CONTENT_MIB)
+        f.seek(max(0, size - CONTENT_MIB))
+        h.update(size.to_bytes(8, "little") + head + f.read(CONTENT_MIB))
+    return {"train": sum(len(t) for t in self.train), "val": sum(len(t) for t in self.val), "sha256": h.hexdigest()}
 
   def packed_batch(self, seed: int, step: int, batch_size: int) -> tuple[np.ndarray, ...]:
     """The training split's packed rows of `step`: (inputs, targets, segment_ids, positions), each int32
@@ -99,7 +111,8 @@ def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool) -> Datas
     raise ValueError(f"{name}: {total} bytes in {len(texts)} file(s) is too little for seq_len {seq_len}; {need}")
   # the last 10% of the bytes starts where the cut fell, often mid-word: prompts start at its first full line
   lines = np.flatnonzero(val[0][:len(val[0]) - seq_len // 2] == ord("\n")) if len(texts) < 10 else []
-  return Dataset(name, 256, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0)
+  return Dataset(name, 256, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0,
+                 files=tuple(sorted(files)))
 
 
 def read_shard(path: str) -> np.ndarray:
@@ -134,7 +147,7 @@ def _shards(pattern: str, seq_len: int, pack: bool) -> Dataset:
   val = _usable([shards[p] for p in val_paths], seq_len)
   if not (packed.n_rows if pack else train) or not val:
     raise ValueError(f"--data {pattern!r}: shards too short for seq_len {seq_len}")
-  return Dataset(pattern, 50257, train, val, packed)
+  return Dataset(pattern, 50257, train, val, packed, files=tuple(paths))
 
 
 def stdlib_files() -> list[str]:
@@ -151,11 +164,20 @@ def check_source(spec: str | None) -> None:
   raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")
 
 
+def source(spec: str | None) -> str:
+  """--data as a checkpoint records it: DEFAULT_NAME, or the path with links and '..' resolved (a pattern's
+  folder), so the same data given relative or absolute is one source."""
+  if spec is None:
+    return DEFAULT_NAME
+  return os.path.join(os.path.realpath(os.path.dirname(spec)), os.path.basename(spec)) if spec.endswith(".bin") \
+      else os.path.realpath(spec)
+
+
 def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
   """The data of `spec` (module docstring) for windows of seq_len; pack: also every training document packed."""
   check_source(spec)
   if spec is None:
-    return _split_bytes("python-stdlib", stdlib_files(), seq_len, pack)
+    return _split_bytes(DEFAULT_NAME, stdlib_files(), seq_len, pack)
   if spec.endswith(".bin"):
     return _shards(spec, seq_len, pack)
   if os.path.isdir(spec):

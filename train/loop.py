@@ -396,8 +396,8 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.batch_size % jax.device_count():
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
     mesh = data_mesh(jax.devices())
-    meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": dataset.name,
-            "data_tokens": dataset.tokens(), "pack": cfg.pack, "run": cfg.trajectory()}
+    meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": data.source(cfg.data),
+            "data_content": dataset.content(), "pack": cfg.pack, "run": cfg.trajectory()}
     start = _resume_point(cfg, ckpts, meta, out)
     out.write({"event": "start", "from_step": start, "steps": cfg.steps, "batch_size": cfg.batch_size,
                "seq_len": cfg.model.seq_len, "attention": cfg.model.backend, "devices": jax.device_count(),
