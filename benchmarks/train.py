@@ -166,11 +166,11 @@ def main(argv=None) -> None:
       if r["packing"] == "packed" and unpacked:
         r["vs_unpacked"] = r["tokens_per_s"] / unpacked[0]["tokens_per_s"]
   print(json.dumps(env), flush=True)
-  write(a.out, env, rows)
   print(table(rows))
+  if all(r["status"] == "error" for r in rows):  # nothing measured: an earlier report in --out stays
+    sys.exit(f"every run failed ({len(rows)}): see the reasons above; nothing written to {a.out}")
+  write(a.out, env, rows)
   print(f"wrote train.md, train.json, train.csv and the tokens/s plots to {a.out}", flush=True)
-  if all(r["status"] == "error" for r in rows):  # written for their reasons, but nothing was measured
-    sys.exit(f"every run failed ({len(rows)}): see the reasons above")
 
 
 def write(out: str, env: dict, rows: list[dict]) -> None:

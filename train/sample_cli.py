@@ -71,7 +71,7 @@ def newest_intact(directory: str) -> int:
       for kind, steps in (("has no " + stepdirs.MANIFEST + ", so it is not a checkpoint python -m train sealed",
                            found.foreign), ("is empty", found.empty)):
         for newer in (n for n in steps if n > step):
-          print(f"skipped step folder {stepdirs.step_path(directory, newer)}: it {kind}", file=sys.stderr)
+          print(f"skipped {stepdirs.step_path(directory, newer)}: it {kind}", file=sys.stderr)
       return step
     problems.append(f"step {step}: {problem}")
   raise SampleError(f"no checkpoint in {directory} is intact: " + "; ".join(problems))

@@ -157,6 +157,8 @@ def remove_unfinished(directory: str, names: tuple[str, ...]) -> tuple[list[str]
       step = f.read().strip()
   except FileNotFoundError:
     step = None
+  except (OSError, UnicodeDecodeError):  # not a journal this program wrote whole: trust no name in it
+    return [], list(names)
   ours = [n for n in names if step is not None and n.split(".", 1)[0] == step]
   for name in ours:
     shutil.rmtree(os.path.join(directory, name))
