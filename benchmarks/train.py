@@ -166,6 +166,7 @@ def main(argv=None) -> None:
       if r["packing"] == "packed" and unpacked:
         r["vs_unpacked"] = r["tokens_per_s"] / unpacked[0]["tokens_per_s"]
   print(json.dumps(env), flush=True)
+  add_vs_cudnn(rows)
   print(table(rows))
   if all(r["status"] == "error" for r in rows):  # nothing measured: an earlier report in --out stays
     sys.exit(f"every run failed ({len(rows)}): see the reasons above; nothing written to {a.out}")
@@ -173,16 +174,21 @@ def main(argv=None) -> None:
   print(f"wrote train.md, train.json, train.csv and the tokens/s plots to {a.out}", flush=True)
 
 
-def write(out: str, env: dict, rows: list[dict]) -> None:
-  """train.json, .csv, .md and one tokens/s plot per sequence length, from the runs' rows (each names its
-  preset); adds vs_cudnn, each ok row's tokens/s over the same-run cudnn row of the same shape, packing and
-  biases (rows from before the bias column count as with them)."""
+def add_vs_cudnn(rows: list[dict]) -> None:
+  """vs_cudnn: each ok row's tokens/s over the same-run cudnn row of the same shape, packing and biases (rows
+  from before the bias column count as with them)."""
   for r in rows:
     base = [c for c in rows if c["backend"] == "cudnn" and c["status"] == "ok"
             and all(c[k] == r[k] for k in ("preset", "seq_len", "batch_size", "packing"))
             and c.get("bias", "with") == r.get("bias", "with")]
     if r["status"] == "ok" and base:
       r["vs_cudnn"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
+
+
+def write(out: str, env: dict, rows: list[dict]) -> None:
+  """train.json, .csv, .md and one tokens/s plot per sequence length, from the runs' rows (each names its
+  preset), with vs_cudnn (add_vs_cudnn)."""
+  add_vs_cudnn(rows)
   os.makedirs(out, exist_ok=True)
   report.write_json(os.path.join(out, "train.json"), env, rows)
   report.write_csv(os.path.join(out, "train.csv"), rows)

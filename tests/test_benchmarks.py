@@ -354,3 +354,13 @@ def test_train_benchmark_exits_non_zero_when_every_run_failed(tmp_path):
                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
   assert proc.returncode == 1 and "every run failed (1)" in proc.stderr, proc.stderr[-1500:]
   assert "missing.txt" in proc.stdout and not (tmp_path / "train.json").exists()  # the reason shown, no report
+
+
+def test_vs_cudnn_is_set_before_the_table_is_printed(capsys):
+  """The printed table and the written report carry the same vs_cudnn (it was filled in only when writing)."""
+  from benchmarks import train as bench_train
+  row = {"preset": "p", "seq_len": 8, "batch_size": 2, "packing": "unpacked", "bias": "with", "status": "ok"}
+  rows = [row | {"backend": "cudnn", "tokens_per_s": 100.0}, row | {"backend": "te-fp8", "tokens_per_s": 105.0}]
+  bench_train.add_vs_cudnn(rows)
+  assert [r["vs_cudnn"] for r in rows] == [1.0, 1.05]
+  assert "| 1.05 |" in bench_train.table(rows)
