@@ -43,7 +43,9 @@ def test_te_fp8_speed_note_quotes_the_result_files_it_names():
 
   from attnlayers import spec
   from attnlayers.backends import te_fp8
-  source = {"1.028": "gpt2-small/96cf60d-bias/train.md", "1.048": "gpt2-small/96cf60d-bias/train.md",
+  source = {"1.012": "gpt2-small/a2472b7-bias/train.md", "1.058": "gpt2-small/a2472b7-bias/train.md",
+            "1.034": "gpt2-small/a2472b7-bias-repeat/train.md", "1.051": "gpt2-small/a2472b7-bias-repeat/train.md",
+            "1.028": "gpt2-small/96cf60d-bias/train.md", "1.048": "gpt2-small/96cf60d-bias/train.md",
             "1.052": "gpt2-small/bias/train.md", "1.029": "gpt2-small/bias/train.md", "1.044": "gpt2-small/train.md", "1.037": "gpt2-small/steps300/train.md",
             "1.027": "gpt2-small/187a03c-train.md", "0.992": "gpt2-small/e29f464-train.md",
             "0.9893": "gpt2-small/03c8adb-train.md", "1.013": "gpt2-small/f626088-train.md",

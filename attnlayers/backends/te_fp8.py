@@ -24,14 +24,16 @@ from attnlayers.spec import Call, Options
 NAME = "te-fp8"
 SUMMARY = "TransformerEngine FP8 GEMMs for the projections + cuDNN FP8 attention core; compute capability >= 8.9"
 MIN_CC = (8, 9)  # FP8 tensor cores (Ada); the FP8 attention core itself needs _fp8_core.MIN_CC
-# Where FP8 pays, measured (in benchmarks/results/h200: gpt2-small/96cf60d-bias/train.md,
+# Where FP8 pays, measured (in benchmarks/results/h200: gpt2-small/a2472b7-bias/train.md,
+# gpt2-small/a2472b7-bias-repeat/train.md, gpt2-small/96cf60d-bias/train.md,
 # gpt2-small/bias/train.md, gpt2-small/train.md,
 # gpt2-small/steps300/train.md, gpt2-small/187a03c-train.md, gpt2-small/e29f464-train.md,
 # gpt2-small/03c8adb-train.md, gpt2-small/f626088-train.md, gpt2-medium/train.md, gpt2-medium/f626088-train.md,
 # gpt-1b/train.md); the plan of every call te-fp8 runs shows it (notes)
 SPEED = ("speed: FP8 pays with wide GEMMs. Whole-model training on one H200, tokens/s over cudnn's in the same "
-         "run: 1.028x (1.048x without biases), 1.052x (1.029x without biases), 1.044x, 1.037x (300 steps), 1.027x, "
-         "0.992x, 0.9893x and 1.013x in eight runs at gpt2-small (width 768, bf16 core), 1.091x and 1.128x at "
+         "run: 1.012x (1.058x without biases), 1.034x (1.051x without biases), 1.028x (1.048x without biases), "
+         "1.052x (1.029x without biases), 1.044x, 1.037x (300 steps), 1.027x, 0.992x, 0.9893x and 1.013x in ten "
+         "runs at gpt2-small (width 768, bf16 core), 1.091x and 1.128x at "
          "gpt2-medium (1024), 1.277x at gpt-1b (2048, FP8 core); narrower models may train slower than with cudnn or te")
 
 
