@@ -123,9 +123,9 @@ def test_newer_step_folders_without_a_manifest_are_named_when_an_older_step_is_s
   os.mkdir(copy / "9")
   code, out, err = sample_main(["--ckpt-dir", str(copy), "--tokens", "3"], capsys)
   assert code == 0 and f"{copy}: step 2" in out, err
-  assert f"skipped step folder {copy / '4'}: it has no attnlayers.json, so it is not a checkpoint python -m train " \
+  assert f"skipped {copy / '4'}: it has no attnlayers.json, so it is not a checkpoint python -m train " \
          "sealed" in err, err
-  assert f"skipped step folder {copy / '9'}: it is empty" in err, err
+  assert f"skipped {copy / '9'}: it is empty" in err, err
 
 
 def _copy_damaged(trained, d):
