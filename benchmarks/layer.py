@@ -282,8 +282,10 @@ def main(argv=None) -> None:
                  choices=["default", "seq", "batch", "heads", "headdim", *packing.SECTIONS],
                  help=f"default: all but {' and '.join(packing.SECTIONS)} (benchmarks.packing: packed documents, "
                       "causal sliding windows; each row's ratio is to a baseline timed in the same run)")
-  p.add_argument("--seqs", type=common.positive_int, nargs="+", help="T values of the seq section (default 64 ... 16384)")
-  p.add_argument("--batches", type=common.positive_int, nargs="+", help="B values of the batch sections (default 1 ... 16)")
+  p.add_argument("--seqs", type=common.positive_int, nargs="+",
+                 help="T values of the seq section (default 64 ... 16384)")
+  p.add_argument("--batches", type=common.positive_int, nargs="+",
+                 help="B values of the batch sections (default 1 ... 16)")
   p.add_argument("--levels", nargs="+", choices=["core", "layer"], default=["core", "layer"],
                  help="core: attnlayers.attention; layer: the nnx layer, projections + core")
   p.add_argument("--calls", type=common.positive_int, help="timed calls per row (default 20; 3 with --quick)")

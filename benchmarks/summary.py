@@ -14,7 +14,8 @@ import re
 from benchmarks import report
 
 
-REQUIRED = {"layer.json": "layer", "fp8.json": "fp8", "wrapper.json": "wrapper", "train.json": "train"}  # by
+# the JSON files the page is made of, and the benchmark (python -m benchmarks.<name>) that writes each
+REQUIRED = {"layer.json": "layer", "fp8.json": "fp8", "wrapper.json": "wrapper", "train.json": "train"}
 
 
 def _load(directory: str, name: str) -> dict:

@@ -119,11 +119,12 @@ def main(argv=None) -> None:
   p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"],
                  help="one training run each; default: naive xla cudnn te te-fp8")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small", help="default: gpt2-small")
-  p.add_argument("--seq-len", type=common.positive_int, nargs="+", help="default: the preset's context (1024 for gpt2-small)")
+  p.add_argument("--seq-len", type=common.positive_int, nargs="+",
+                 help="default: the preset's context (1024 for gpt2-small)")
   p.add_argument("--batch-size", type=common.positive_int, nargs="+", default=[32],
                  help="global batch; one value for every --seq-len, or one per --seq-len; default: 32")
-  p.add_argument("--steps", type=common.positive_int, default=40, help="steps per run (default 40); the rate is the median of the "
-                 "reported intervals after the first")
+  p.add_argument("--steps", type=common.positive_int, default=40,
+                 help="steps per run (default 40); the rate is the median of the reported intervals after the first")
   p.add_argument("--packing", nargs="+", choices=PACKINGS, default=["unpacked"],
                  help="unpacked windows, packed documents (train --pack), or both side by side; with packed, every "
                       "run reports val_loss at its last step (the same unpacked windows in both modes)")
@@ -132,8 +133,8 @@ def main(argv=None) -> None:
                       "(train --no-bias, nanoGPT's train.py default), or both side by side; default: with")
   p.add_argument("--data", help="train --data (default: the embedded corpus)")
   p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
-  p.add_argument("--matmul-n", type=common.positive_int, help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, "
-                 "512 elsewhere")
+  p.add_argument("--matmul-n", type=common.positive_int,
+                 help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, 512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   a.seq_len = a.seq_len or [models.PRESETS[a.preset].seq_len]
@@ -187,8 +188,7 @@ def add_vs_cudnn(rows: list[dict]) -> None:
 
 def write(out: str, env: dict, rows: list[dict]) -> None:
   """train.json, .csv, .md and one tokens/s plot per sequence length, from the runs' rows (each names its
-  preset), with vs_cudnn (add_vs_cudnn)."""
-  add_vs_cudnn(rows)
+  preset), as main fills them in (vs_cudnn: add_vs_cudnn)."""
   os.makedirs(out, exist_ok=True)
   report.write_json(os.path.join(out, "train.json"), env, rows)
   report.write_csv(os.path.join(out, "train.csv"), rows)

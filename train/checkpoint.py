@@ -199,10 +199,8 @@ class Checkpoints:
   def discard_if_unused(self) -> None:
     """Removes the folder this process made and holds the lock of, where it holds nothing but the lock (the run
     failed before saving); a folder that existed, or another trainer's, stays."""
-    if (jax.process_index() == 0 and self.made and self.lock.fd is not None
-        and set(os.listdir(self.directory)) <= {lock.LOCK_NAME}):
-      os.remove(self.lock.path)
-      os.rmdir(self.directory)
+    if jax.process_index() == 0 and self.made and self.lock.fd is not None:
+      lock.remove_if_unused(self.directory)
 
   def close(self) -> None:
     self.checkpointer.close()

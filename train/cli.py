@@ -176,10 +176,8 @@ def _agreed(path: str) -> str:
 def _discard_if_unused(path: str) -> None:
   """Removes a run folder fresh_run_dir made for this run that holds nothing but the lock file (the run failed
   before saving)."""
-  if jax.process_index() == 0 and os.path.isdir(path) and set(os.listdir(path)) <= {lock.LOCK_NAME}:
-    for name in os.listdir(path):
-      os.remove(os.path.join(path, name))
-    os.rmdir(path)
+  if jax.process_index() == 0:
+    lock.remove_if_unused(path)
 
 
 def write_latest(path: str) -> None:

@@ -198,8 +198,8 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile)
   if ckpts:  # fresh or resumed: a folder that is not ours where this run would save stops it now, not at the save
     saves = [s for s in range((step or 0) + 1, cfg.steps + 1) if s % cfg.ckpt_every == 0 or s == cfg.steps]
     foreign = set(ckpts.listing().foreign)
-    paths = [p for s in saves for p in (stepdirs.step_path(ckpts.directory, s), stepdirs.saving_path(ckpts.directory, s))
-             if os.path.lexists(p) and (p.endswith(stepdirs.SAVING) or s in foreign)]
+    at = lambda s: (stepdirs.step_path(ckpts.directory, s), stepdirs.saving_path(ckpts.directory, s))
+    paths = [p for s in saves for p in at(s) if os.path.lexists(p) and (p.endswith(stepdirs.SAVING) or s in foreign)]
     if paths:
       raise checkpoint.CheckpointError(
           f"{ckpts.directory} holds files or folders where this run would save steps, without {stepdirs.MANIFEST}: "

@@ -86,7 +86,8 @@ def notices(cfg: TrainConfig) -> None:
 def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
   """The end-of-run sample, by python -m sample's decoder (models.generate, backend auto): the start of
   the first validation text (from its first full line where it was cut mid-file) continued. Prompt and new
-  tokens share the context: at most seq_len - seq_len // 4 new ones. Each process samples from its own replica of the parameters."""
+  tokens share the context: at most seq_len - seq_len // 4 new ones. Each process samples from its own replica
+  of the parameters."""
   prompt_len, new = sample_lengths(s.cfg.model.seq_len, s.cfg.sample_tokens)
   if new < 1:
     return {}

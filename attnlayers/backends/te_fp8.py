@@ -33,8 +33,8 @@ MIN_CC = (8, 9)  # FP8 tensor cores (Ada); the FP8 attention core itself needs _
 SPEED = ("speed: FP8 pays with wide GEMMs. Whole-model training on one H200, tokens/s over cudnn's in the same "
          "run: 1.012x (1.058x without biases), 1.034x (1.051x without biases), 1.028x (1.048x without biases), "
          "1.052x (1.029x without biases), 1.044x, 1.037x (300 steps), 1.027x, 0.992x, 0.9893x and 1.013x in ten "
-         "runs at gpt2-small (width 768, bf16 core), 1.091x and 1.128x at "
-         "gpt2-medium (1024), 1.277x at gpt-1b (2048, FP8 core); narrower models may train slower than with cudnn or te")
+         "runs at gpt2-small (width 768, bf16 core), 1.091x and 1.128x at gpt2-medium (1024), 1.277x at gpt-1b "
+         "(2048, FP8 core); narrower models may train slower than with cudnn or te")
 
 
 def requirements(dev: device_lib.DeviceInfo, what: str = "te-fp8 (FP8 GEMMs)") -> list[str]:
