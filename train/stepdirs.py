@@ -76,12 +76,17 @@ def write_manifest(folder: str, step: int) -> None:
   """Records every file in `folder`; written last, through a temporary file, so it is whole or absent."""
   files = {f: {"bytes": os.path.getsize(os.path.join(folder, f)), "sha256": _sha256(os.path.join(folder, f))}
            for f in _files(folder)}
-  tmp = os.path.join(folder, MANIFEST + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({"format": FORMAT, "version": 1, "step": step, "files": files}, f, indent=1)
+  _write_whole(os.path.join(folder, MANIFEST), json.dumps({"format": FORMAT, "version": 1, "step": step,
+                                                           "files": files}, indent=1))
+
+
+def _write_whole(path: str, text: str) -> None:
+  """`text` into `path` through a synced temporary file and a rename: the file is whole or absent."""
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
     f.flush()
     os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(folder, MANIFEST))
+  os.replace(path + ".tmp", path)
 
 
 def problem(folder: str) -> str | None:
@@ -137,12 +142,7 @@ def finish(directory: str, step: int) -> None:
 
 def begin(directory: str, step: int) -> None:
   """Records that `step` is being saved (JOURNAL), whole or absent, before orbax writes anything."""
-  tmp = os.path.join(directory, JOURNAL + ".tmp")
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(f"{step}\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(directory, JOURNAL))
+  _write_whole(os.path.join(directory, JOURNAL), f"{step}\n")
 
 
 def end(directory: str) -> None:
