@@ -36,7 +36,7 @@ from attnlayers import projection
 from attnlayers.fp8 import FP8Recipe, use_fp8_dense
 from attnlayers.nnx import MultiHeadAttention
 from models.config import GPTConfig
-from models.bias_gelu import bias_gelu
+from models.bias_gelu import bias_gelu, gelu_of_gemm
 from models.layernorm import residual_norm
 
 
@@ -63,6 +63,7 @@ class Block(nnx.Module):
     if recipe is not None:  # the MLP's two GEMMs (two thirds of the block's matmul FLOPs) in FP8 too
       use_fp8_dense(self.fc, recipe)
       use_fp8_dense(self.proj, recipe)
+    self.gelu_in_gemm = recipe is None and not cfg.bias  # GELU in the fc GEMM's epilogue (models.bias_gelu)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def __call__(self, x: Float[Array, "B T D"], y: Float[Array, "B T D"] | None = None, rngs: nnx.Rngs | None = None,
@@ -75,7 +76,9 @@ class Block(nnx.Module):
     packed = {} if segment_ids is None or self.max_segments is None else {"max_segments": self.max_segments}
     a = drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids, **packed))
     x, h = residual_norm(self.ln2, x, a, kernel=self.kernels)
-    z = _unbiased(self.fc, h)  # (B, T, 4D); its bias is added in bias_gelu's pass (none: a zero vector)
+    z = _unbiased(self.fc, h)  # (B, T, 4D); its bias is added in bias_gelu's pass (none under te-fp8: zeros)
+    if self.gelu_in_gemm:
+      return x, drop(self.proj(gelu_of_gemm(z, kernel=self.kernels)))
     b = jnp.zeros(z.shape[-1:], z.dtype) if self.fc.bias is None else self.fc.bias[...].astype(z.dtype)  # (4D,)
     return x, drop(self.proj(bias_gelu(z, b, kernel=self.kernels)))
 

@@ -88,3 +88,28 @@ def test_mlp_keeps_linear_parameters_and_values():
   z = models.gpt._unbiased(block.fc, h)
   ours = bias_gelu(z, block.fc.bias[...], kernel="xla")
   reference.assert_close(ours, jax.nn.gelu(block.fc(h), approximate=True), jnp.float32, "out", "MLP hidden")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_of_gemm_matches_float64(dtype, kernel):
+  """gelu_of_gemm (the bias-free MLP's GELU): y and dz against the float64 formula with b = 0."""
+  z, _, dy = _inputs(DTYPES[dtype], SHAPES[1])
+  y, vjp = jax.jit(lambda z: jax.vjp(lambda z: bg.gelu_of_gemm(z, kernel=kernel), z))(z)
+  (dz,) = jax.jit(vjp)(dy)
+  assert y.dtype == dz.dtype == z.dtype
+  y64, dz64, _ = _oracle(z, jnp.zeros(z.shape[-1:]), dy)
+  reference.assert_close(y, y64, dtype, "out", "gelu(z)")
+  reference.assert_close(dz, dz64, dtype, "grad", "dz")
+
+
+def test_gelu_of_gemm_forward_is_xla_gelu_and_backward_the_kernel():
+  """With the Pallas kernels the forward is jax.nn.gelu's formula (the GEMM rewriter's pattern, no
+  pallas_call) and the backward bias_gelu's kernel; with "xla" neither is a pallas_call."""
+  z = jnp.ones((4, 48))
+  fwd = lambda kernel: str(jax.make_jaxpr(lambda z: bg.gelu_of_gemm(z, kernel=kernel))(z))
+  both = lambda kernel: str(jax.make_jaxpr(lambda z: jax.grad(lambda z: bg.gelu_of_gemm(z, kernel=kernel).sum())(z))(z))
+  assert "pallas_call" not in fwd("interpret") and "tanh" in fwd("interpret")
+  assert both("interpret").count("pallas_call") == 1 and "pallas_call" not in both("xla")
+  with pytest.raises(ValueError, match=re.escape("gelu_of_gemm takes a non-empty floating-point z; got int32 (2, 3)")):
+    bg.gelu_of_gemm(jnp.zeros((2, 3), jnp.int32))

@@ -1,5 +1,6 @@
 """On an NVIDIA GPU: compiled as the trainer compiles (train.loop.STEP_COMPILER_OPTIONS), the biases
-of the attention layer's four projections and of the GPT's MLP output run in cuBLASLt epilogues."""
+of the attention layer's four projections and of the GPT's MLP output run in cuBLASLt epilogues, and so
+does the GELU of a GPT without biases (models.bias_gelu.gelu_of_gemm)."""
 
 import re
 
@@ -14,15 +15,16 @@ from train.loop import STEP_COMPILER_OPTIONS
 
 pytestmark = pytest.mark.gpu
 BIAS_EPILOGUE = re.compile(r'"epilogue":"BIAS"')
+GELU_EPILOGUE = re.compile(r'"epilogue":"GELU_AUX"')
 
 
-def _fused_biases(module, x) -> int:
-  """cuBLASLt calls with a bias epilogue in the compiled forward + backward of sum(module(x)^2) (a square,
-  so that the gradient needs the output's value and its GEMM stays in the program)."""
+def _fused_biases(module, x, epilogue=BIAS_EPILOGUE) -> int:
+  """cuBLASLt calls with a bias epilogue (or `epilogue`) in the compiled forward + backward of sum(module(x)^2)
+  (a square, so that the gradient needs the output's value and its GEMM stays in the program)."""
   graphdef, params = nnx.split(module)
   loss = lambda params, x: jnp.square(nnx.merge(graphdef, params)(x).astype(jnp.float32)).sum()
   fn = jax.jit(jax.grad(loss), compiler_options=STEP_COMPILER_OPTIONS)
-  return len(BIAS_EPILOGUE.findall(fn.lower(params, x).compile().as_text()))
+  return len(epilogue.findall(fn.lower(params, x).compile().as_text()))
 
 
 def test_the_layers_q_k_v_and_out_biases_run_in_the_gemms():
@@ -50,3 +52,11 @@ class _Hidden(nnx.Module):
 
   def __call__(self, tokens):
     return self.model.hidden(tokens)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["without", "with"])
+def test_without_biases_the_mlp_gelu_runs_in_the_fc_gemm(bias):
+  """GELU_AUX (gelu(z) and z from the fc GEMM) once per block without biases; with them bias_gelu's kernel."""
+  cfg = models.preset("gpt2-small", n_layer=2, seq_len=256, backend="cudnn", bias=bias)
+  tokens = jnp.zeros((2, 256), jnp.int32)
+  assert _fused_biases(_Hidden(models.GPT(cfg, rngs=nnx.Rngs(0))), tokens, GELU_EPILOGUE) == (0 if bias else 2)
