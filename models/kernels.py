@@ -1,7 +1,8 @@
 """Which of the models' own GPU kernels a step runs: one rule for the loss's softmax gradient
 (models.softmax_onepass; models.softmax_grad in float16), the residual add and LayerNorm
 (models.norm_fwd, models.norm_grad) and the MLP's bias + GELU (models.bias_gelu), all Pallas
-(Triton) kernels.
+(Triton) kernels; without biases the GELU's forward is written for the fc GEMM's cuBLASLt epilogue
+instead (models.bias_gelu.gelu_of_gemm), its backward still the Pallas kernel.
 
 A `kernel` argument names one of KERNELS: "xla" (XLA's fusions, any backend), "pallas" (the kernel,
 compiled; a CUDA GPU only), "interpret" (the same kernel through the Pallas interpreter, any backend,
