@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import models
-from train import checkpoint, cli, data, lock, loop, optim, stepdirs
+from train import checkpoint, cli, data, lock, loop, optim, signals, stepdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -204,7 +204,7 @@ def test_a_save_stopped_inside_orbax_is_removed_on_the_next_start(tmp_path, caps
   ckpts = checkpoint.Checkpoints(str(tmp_path / "c"))
   def killed(path, **_):
     os.makedirs(os.path.join(path, "state"))
-    raise KeyboardInterrupt  # as a second Ctrl-C in the middle of orbax's write
+    raise KeyboardInterrupt  # as a save stopped in the middle of orbax's write (killed, or failed)
   ckpts.checkpointer.save = killed
   with pytest.raises(KeyboardInterrupt):
     ckpts.save(10, {"params": {"w": jnp.zeros(2)}}, {})
@@ -347,6 +347,72 @@ def test_signal_saves_the_step_and_resume_is_bitwise(tmp_path, jax_cache, uninte
   assert rc == 0 and f"resumed from {tmp_path / 'c'} at step {stopped}" in out, err
   resumed = losses(tmp_path / "m.jsonl")
   assert [resumed[s] for s in range(1, 61)] == [uninterrupted[s] for s in range(1, 61)]  # bitwise
+
+
+# A run whose save of a step waits, after orbax has written it and before it is sealed, for the file argv[1] + ".go";
+# it first writes argv[1] (the step) so the test knows the save is under way.
+SLOW_SAVE = ("import os, sys, time\nfrom train import cli, stepdirs\nreal = stepdirs.finish\n"
+             "def finish(directory, step):\n  open(sys.argv[1], 'w').write(str(step))\n"
+             "  while not os.path.exists(sys.argv[1] + '.go'):\n    time.sleep(0.01)\n"
+             "  time.sleep(0.5)  # the test's signal is handled before the save goes on\n"
+             "  real(directory, step)\nstepdirs.finish = finish\ncli.main(sys.argv[2:])")
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM),
+                                           (signal.SIGINT, signal.SIGTERM)],
+                         ids=["SIGINT-SIGINT", "SIGTERM-SIGTERM", "SIGINT-SIGTERM"])
+def test_a_second_signal_during_the_save_lets_it_finish_then_exits(tmp_path, jax_cache, first, second):
+  """Double Ctrl-C: the first signal stops the run at the step's end, which saves it; the second arrives while that
+  save is being written. The save completes and is sealed, then the run exits with the second signal's code."""
+  marker = tmp_path / "saving"
+  args = [*SIGNAL_RUN, "--ckpt-dir", str(tmp_path / "c"), "--metrics", str(tmp_path / "m.jsonl")]
+  proc = popen(["-c", SLOW_SAVE, str(marker), *args], jax_cache)
+  try:
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and max(losses_or_none(tmp_path / "m.jsonl"), default=0) < 3:
+      time.sleep(0.02)
+    proc.send_signal(first)
+    while time.time() < deadline and proc.poll() is None and not marker.exists():
+      time.sleep(0.02)
+    assert proc.poll() is None, proc.communicate()[1]
+    proc.send_signal(second)
+    (tmp_path / "saving.go").touch()
+    _, err = proc.communicate(timeout=300)
+  finally:
+    proc.kill()
+  step = int(marker.read_text())
+  name = signal.Signals(second).name
+  assert proc.returncode == 128 + second and "Traceback" not in err, err
+  assert f"stopped by {name} after step {step}: saved step {step} in {tmp_path / 'c'}" in err, err
+  assert stepdirs.problem(str(tmp_path / "c" / str(step))) is None  # whole and sealed
+  assert sorted(os.listdir(tmp_path / "c")) == [str(step), "attnlayers.lock"]  # no .saving left, no journal
+  records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+  assert records[-1] == {"event": "stopped", "step": step, "signal": name, "saved": True}
+
+
+def test_a_second_signal_outside_a_save_stops_at_once_and_one_during_a_save_is_held(capfd):
+  """The first SIGINT is recorded; a second one inside saving() is held (the save goes on), one outside it
+  gets SIGINT's usual handling: KeyboardInterrupt."""
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal's process has it
+  try:
+    with signals.StopRequests() as stop:
+      signal.raise_signal(signal.SIGINT)
+      assert (stop.received, stop.held, stop.ending) == (signal.SIGINT, None, signal.SIGINT)
+      with stop.saving():
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)  # a third: held too, the last one counts
+      assert (stop.received, stop.held, stop.ending, stop.name) == (signal.SIGINT, signal.SIGINT, signal.SIGINT,
+                                                                    "SIGINT")
+      assert "SIGTERM while a checkpoint is being written: the save finishes, then the run stops" in capfd.readouterr().err
+      with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on the second signal
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+def losses_or_none(path) -> dict[int, float]:
+  return losses(path) if os.path.exists(path) else {}
 
 
 # --- bad flags: exit 2 with one line, before the model is built or anything compiled

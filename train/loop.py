@@ -3,7 +3,8 @@
 `run` reads as its steps: open the checkpoint folder and the output files (path problems
 surface here, before anything compiles), load data, build the model and optimizer, resume
 from the newest intact checkpoint, train, summarise. SIGINT and SIGTERM end the step being
-run, save it and raise signals.Stopped.
+run, save it and raise signals.Stopped; a second one stops the run at once, unless it comes
+while a checkpoint is written: that save finishes first (train.signals).
 
 Packed runs (TrainConfig.pack) train on rows of whole documents (train.packing); validation
 is the same unpacked held-out windows in both modes (train.data says why). Neither mode pads,
@@ -249,7 +250,8 @@ def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool
     if jax.process_index() == 0:
       tqdm.write(f"step {step}: loss {loss:.4f}, val_loss {record['val_loss']:.4f}")
   if save:
-    s.ckpts.save(step, state, s.meta)
+    with s.stop.saving():  # a second signal now waits for the save (signals.StopRequests.saving)
+      s.ckpts.save(step, state, s.meta)
   s.out.write(record)
   postfix = {"loss": f"{loss:.3f}"} | ({"tok_s": f"{record['tokens_per_s']:,.0f}"} if record.get("tokens_per_s") else {})
   bar.set_postfix(postfix | ({"val": f"{record['val_loss']:.3f}"} if "val_loss" in record else {}))
@@ -344,7 +346,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
         loss = _report(s, step, loss_arr, state, bar, evaluate=evaluate, save=save)
       elif log:
         pending = (step, loss_arr)
-      if stopping:
+      if stopping or s.stop.held is not None:  # held: it came during this step's save, which finished
         raise _stopped(s, step, saved=save)
     if s.stop.received is not None:  # it came during the last step's report, which saved that step
       raise _stopped(s, cfg.steps, saved=s.ckpts is not None)
@@ -370,7 +372,7 @@ def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
   else:
     where = "nothing saved (no --ckpt-dir)"
   s.out.write({"event": "stopped", "step": step, "signal": s.stop.name, "saved": saved})
-  return signals.Stopped(s.stop.received, step, f"stopped by {s.stop.name} after step {step}: {where}")
+  return signals.Stopped(s.stop.ending, step, f"stopped by {s.stop.name} after step {step}: {where}")
 
 
 def data_mesh(devices) -> jax.sharding.Mesh:
@@ -419,6 +421,6 @@ def run(cfg: TrainConfig) -> dict:
     out.write(summary)
     if stop.received is not None:  # it came after the last step's report (which saved it): during the summary
       where = f"saved in {ckpts.directory}" if ckpts else "nothing saved (no --ckpt-dir)"
-      raise signals.Stopped(stop.received, cfg.steps, f"stopped by {stop.name} at the end of the run, after step "
+      raise signals.Stopped(stop.ending, cfg.steps, f"stopped by {stop.name} at the end of the run, after step "
                             f"{cfg.steps}: {where}")
   return summary

@@ -3,11 +3,16 @@
 Preemption on shared clusters sends SIGTERM, Ctrl-C sends SIGINT. Either one is recorded
 here; the loop finishes the step it is in, saves a checkpoint and raises `Stopped`, and the
 CLI exits with the shell's code for that signal (128 + signum: 130, 143). A second signal
-while the loop is stopping gets the signal's usual handling, for a user who cannot wait.
+while the loop is stopping gets the signal's usual handling, for a user who cannot wait,
+except while a checkpoint is being written (`StopRequests.saving`): interrupted, that save
+would be lost, and with it every step since the last one. There the signal is held: the save
+finishes and is sealed, then the loop stops and the CLI exits with that signal's code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 
@@ -36,14 +41,31 @@ class StopRequests:
 
   def __init__(self):
     self.received: int | None = None
+    self.held: int | None = None  # the last signal after the first that came while a save was written, if any
+    self._saving = False  # inside saving()
     self._previous: dict[int, object] = {}
 
   def _handle(self, signum, frame):
-    if self.received is not None:  # the second signal: stop now, the usual way
+    if self.received is None:
+      self.received = signum
+    elif self._saving:  # a later signal during a save: it would lose the save, so the save finishes first
+      self.held = signum
+      # os.write, not print: the handler may run inside a print to stderr, which would then raise
+      os.write(2, f"\n{signal.Signals(signum).name} while a checkpoint is being written: the save finishes, "
+                  "then the run stops\n".encode())
+    else:  # the second signal: stop now, the usual way
       self._restore()
       signal.raise_signal(signum)
-      return
-    self.received = signum
+
+  @contextlib.contextmanager
+  def saving(self):
+    """While inside, a signal after the first interrupts nothing: it is recorded in `held`, and the caller,
+    once the save is done, stops with it (`ending`)."""
+    self._saving = True
+    try:
+      yield
+    finally:
+      self._saving = False
 
   def _restore(self) -> None:
     for signum, handler in self._previous.items():
@@ -60,5 +82,10 @@ class StopRequests:
     self._restore()
 
   @property
+  def ending(self) -> int | None:
+    """The signal that ends the run: one held during a save, else the first, else None."""
+    return self.held if self.held is not None else self.received
+
+  @property
   def name(self) -> str | None:
-    return signal.Signals(self.received).name if self.received is not None else None
+    return signal.Signals(self.ending).name if self.ending is not None else None
