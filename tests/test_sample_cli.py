@@ -274,3 +274,48 @@ def test_ckpt_dir_and_no_ckpt_exclude_each_other(capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["--ckpt-dir", "x", "--no-ckpt"])
   assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def _as_processes(monkeypatch):
+  """Runs the code after it as one of two processes (set the returned dict's "index"); broadcast_one_to_all hands
+  every process what process 0 sent last, and fails the test where process 0 sent nothing: the real one would
+  wait for it for ever."""
+  from jax.experimental import multihost_utils
+  me, sent = {"index": 0}, []
+  def broadcast(x):
+    if me["index"] == 0:
+      sent.append(x.copy())
+    if not sent:
+      pytest.fail(f"process {me['index']} waits for process 0's broadcast, which never comes")
+    return sent[-1]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: me["index"])
+  monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
+  return me
+
+
+def test_every_process_saves_in_the_run_folder_process_0_made(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  seen = []
+  monkeypatch.setattr(loop, "run", _fake_run(seen))
+  me = _as_processes(monkeypatch)
+  for me["index"] in (0, 1):
+    cli.main(["--steps", "1"])
+  assert seen[0] == seen[1] and seen[0].startswith(f"{cli.RUNS}/train-")
+  assert sorted(os.listdir(tmp_path / cli.RUNS)) == sorted(["latest", os.path.basename(seen[0])])  # one folder
+
+
+def test_a_run_folder_process_0_cannot_make_stops_every_process_with_its_reason(tmp_path, monkeypatch, capsys):
+  """Process 0 sends its failure as it would the path: the others stop with the same error instead of waiting."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / cli.RUNS).write_text("a file where the run folders go")
+  monkeypatch.setattr(loop, "run", lambda cfg: pytest.fail("trained without a run folder"))
+  me = _as_processes(monkeypatch)
+  errors = []
+  for me["index"] in (0, 1):
+    with pytest.raises(SystemExit) as e:
+      cli.main(["--steps", "1"])
+    assert e.value.code == 2
+    errors.append(capsys.readouterr().err)
+  assert errors[0] == errors[1] == (f"error: cannot make a run folder in {cli.RUNS}/ (File exists); give --ckpt-dir "
+                                    "elsewhere, or --no-ckpt\n"), errors

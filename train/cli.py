@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import shlex
@@ -165,11 +166,32 @@ def fresh_run_dir() -> str:
       path, n = f"{base}-{n}", n + 1
 
 
-def _agreed(path: str) -> str:
-  """Process 0's `path` on every process (each computes its own; they must save to one folder)."""
+class RunDirError(RuntimeError):
+  """The run's own folder could not be made (on process 0); every process raises it, with process 0's reason."""
+
+
+def agreed_run_dir() -> str:
+  """The folder fresh_run_dir makes on process 0, on every process (they must save to one folder); where process 0
+  cannot make it, RunDirError on every process. Process 0 sends its failure too: the others wait for its answer,
+  and would wait for ever for a path that never comes."""
+  answer = {"path": "", "error": ""}
+  if jax.process_index() == 0:
+    try:
+      answer["path"] = fresh_run_dir()
+    except OSError as e:
+      answer["error"] = e.strerror or str(e)
+  answer = json.loads(_from_process_0(json.dumps(answer)))  # a path under RUNS or an OS message: well under 4096
+  if answer["error"]:
+    raise RunDirError(f"cannot make a run folder in {RUNS}/ ({answer['error']}); give --ckpt-dir elsewhere, or "
+                      "--no-ckpt")
+  return answer["path"]
+
+
+def _from_process_0(text: str) -> str:
+  """Process 0's `text` (up to 4096 bytes) on every process; each passes its own, the others' are not read."""
   if jax.process_count() == 1:
-    return path
-  raw = np.frombuffer(path.encode().ljust(4096, b"\0"), np.uint8)
+    return text
+  raw = np.frombuffer(text.encode().ljust(4096, b"\0"), np.uint8)  # (4096,) on every process
   return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
 
 
@@ -240,12 +262,10 @@ def main(argv=None) -> None:
   fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
   if fresh:
     try:
-      made = fresh_run_dir() if jax.process_index() == 0 else ""  # process 0 makes it, every process saves there
-    except OSError as e:
-      print(f"error: cannot make a run folder in {RUNS}/ ({e.strerror}); give --ckpt-dir elsewhere, or --no-ckpt",
-            file=sys.stderr)
+      cfg = dataclasses.replace(cfg, ckpt_dir=agreed_run_dir())  # process 0 makes it, every process saves there
+    except RunDirError as e:
+      print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
-    cfg = dataclasses.replace(cfg, ckpt_dir=_agreed(made))
   print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   try:
     summary = loop.run(cfg)
