@@ -238,3 +238,37 @@ def test_a_checkpoint_from_before_packing_resumes_unpacked_only(tmp_path):
   assert checkpoint.check_meta(str(tmp_path), 5, old, old | {"pack": False}) == {}
   with pytest.raises(checkpoint.ResumeMismatchError, match="pack: checkpoint False, now True"):
     checkpoint.check_meta(str(tmp_path), 5, old, old | {"pack": True})
+
+
+def _shard(path, tokens) -> None:
+  header = np.zeros(256, np.int32)
+  header[:3] = data.SHARD_MAGIC, 1, len(tokens)
+  path.write_bytes(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
+
+
+@pytest.mark.parametrize("source", ["folder", "shards"])
+def test_a_packed_runs_recorded_content_covers_the_short_documents_it_trains_on(tmp_path, source):
+  """A packed run also trains on texts (files, shards) of seq_len + 1 tokens or fewer, which Dataset.content's token
+  counts leave out (they count the texts unpacked windows use); its sha256 covers each file's size and first and
+  last MiB, which is the whole of every such text: one changed, even to the same size, changes the content, so a
+  resume on it is refused (checkpoint.check_meta compares it). Passed before anything changed: it pins that."""
+  seq_len = 32
+  if source == "folder":  # 10 files: the last held out; file 3 is short (10 bytes)
+    for i in range(10):
+      (tmp_path / f"{i}.txt").write_bytes(bytes([97 + i]) * (10 if i == 3 else 200))
+    spec, short, edit = str(tmp_path), tmp_path / "3.txt", lambda b: b[:5] + b"Z" + b[6:]
+  else:  # a short training shard (12 tokens), a long one, and the held-out one
+    _shard(tmp_path / "a_train.bin", np.arange(12))
+    _shard(tmp_path / "b_train.bin", np.arange(300) % 1000)
+    _shard(tmp_path / "c_val.bin", np.arange(300) % 1000)
+    spec, short = str(tmp_path / "*.bin"), tmp_path / "a_train.bin"
+    edit = lambda b: b[:-2] + np.uint16(999).tobytes()
+  before = data.load(spec, seq_len, pack=True)
+  recorded = before.content()
+  trained = b"".join(as_bytes(s) if source == "folder" else s.tobytes() for s in before.packed.streams)
+  body = short.read_bytes()[0 if source == "folder" else 1024:]
+  assert body in trained and not any(len(t) == len(body) // (1 if source == "folder" else 2) for t in before.train)
+  short.write_bytes(edit(short.read_bytes()))
+  after = data.load(spec, seq_len, pack=True)
+  assert after.content()["train"] == recorded["train"]  # the counts see nothing
+  assert after.content() != recorded  # the hash does

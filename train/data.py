@@ -68,7 +68,10 @@ class Dataset:
   def content(self) -> dict:
     """What a checkpoint records of the data beside its path, so that other data under the same path (a file
     replaced, another Python's standard library) is noticed: the token counts of the training and held-out
-    texts, and a sha256 over each file's size and first and last MiB (cheap for shards of gigabytes)."""
+    texts, and a sha256 over each file's size and first and last MiB (cheap for shards of gigabytes). The counts
+    are of the texts unpacked windows use; the texts only a packed run trains on (files or shards of seq_len + 1
+    tokens or fewer) fit in their first and last MiB for any seq_len below a million, so the hash covers each of
+    them whole and sees their changes too (tests/test_packing_train.py)."""
     h = hashlib.sha256()
     for path in self.files:
       size = os.path.getsize(path)
