@@ -383,6 +383,7 @@ def test_a_second_signal_during_the_save_lets_it_finish_then_exits(tmp_path, jax
   step = int(marker.read_text())
   name = signal.Signals(second).name
   assert proc.returncode == 128 + second and "Traceback" not in err, err
+  assert f"{name} while a checkpoint is being written: the save finishes, then the run stops" in err, err
   assert f"stopped by {name} after step {step}: saved step {step} in {tmp_path / 'c'}" in err, err
   assert stepdirs.problem(str(tmp_path / "c" / str(step))) is None  # whole and sealed
   assert sorted(os.listdir(tmp_path / "c")) == [str(step), "attnlayers.lock"]  # no .saving left, no journal
@@ -403,7 +404,8 @@ def test_a_second_signal_outside_a_save_stops_at_once_and_one_during_a_save_is_h
         signal.raise_signal(signal.SIGINT)  # a third: held too, the last one counts
       assert (stop.received, stop.held, stop.ending, stop.name) == (signal.SIGINT, signal.SIGINT, signal.SIGINT,
                                                                     "SIGINT")
-      assert "SIGTERM while a checkpoint is being written: the save finishes, then the run stops" in capfd.readouterr().err
+      said = capfd.readouterr().err
+      assert "SIGTERM while a checkpoint is being written: the save finishes, then the run stops" in said, said
       with pytest.raises(KeyboardInterrupt):
         signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on the second signal

@@ -50,9 +50,11 @@ class StopRequests:
       self.received = signum
     elif self._saving:  # a later signal during a save: it would lose the save, so the save finishes first
       self.held = signum
-      # os.write, not print: the handler may run inside a print to stderr, which would then raise
-      os.write(2, f"\n{signal.Signals(signum).name} while a checkpoint is being written: the save finishes, "
-                  "then the run stops\n".encode())
+      # os.write, not print: the handler may run inside a print to stderr, which would then raise; and nothing
+      # raised here may reach the save (a closed stderr)
+      with contextlib.suppress(OSError):
+        os.write(2, f"\n{signal.Signals(signum).name} while a checkpoint is being written: the save finishes, "
+                    "then the run stops\n".encode())
     else:  # the second signal: stop now, the usual way
       self._restore()
       signal.raise_signal(signum)
