@@ -277,17 +277,19 @@ def test_ckpt_dir_and_no_ckpt_exclude_each_other(capsys):
 
 
 def _as_processes(monkeypatch):
-  """Runs the code after it as one of two processes (set the returned dict's "index"); broadcast_one_to_all hands
-  every process what process 0 sent last, and fails the test where process 0 sent nothing: the real one would
-  wait for it for ever."""
+  """Runs the code after it as one of two processes (set the returned dict's "index"; process 0 first): process 1's
+  n-th broadcast_one_to_all returns process 0's n-th, and fails the test where process 0 sent no n-th: the real one
+  would wait for it for ever."""
   from jax.experimental import multihost_utils
-  me, sent = {"index": 0}, []
+  me, sent, calls = {"index": 0}, [], {0: 0, 1: 0}
   def broadcast(x):
+    n = calls[me["index"]]
+    calls[me["index"]] += 1
     if me["index"] == 0:
       sent.append(x.copy())
-    if not sent:
-      pytest.fail(f"process {me['index']} waits for process 0's broadcast, which never comes")
-    return sent[-1]
+    if n >= len(sent):
+      pytest.fail(f"process {me['index']} waits for process 0's broadcast {n + 1}, which never comes")
+    return sent[n]
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: me["index"])
   monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
@@ -319,3 +321,23 @@ def test_a_run_folder_process_0_cannot_make_stops_every_process_with_its_reason(
     errors.append(capsys.readouterr().err)
   assert errors[0] == errors[1] == (f"error: cannot make a run folder in {cli.RUNS}/ (File exists); give --ckpt-dir "
                                     "elsewhere, or --no-ckpt\n"), errors
+
+
+@pytest.mark.parametrize("problem", ["file", "locked"])
+def test_a_checkpoint_folder_process_0_cannot_use_stops_every_process_with_its_reason(tmp_path, monkeypatch, problem):
+  """Process 0 opens --ckpt-dir; where it cannot (a file in the way, another run's lock) it sends its error before
+  raising it, and the other processes raise the same instead of waiting in the next broadcast."""
+  target = tmp_path / "c"
+  if problem == "file":
+    target.write_text("not a folder")
+  else:
+    holder = checkpoint.Checkpoints(str(target))  # this test's own run holds the lock
+  me = _as_processes(monkeypatch)
+  raised = []
+  for me["index"] in (0, 1):
+    with pytest.raises((checkpoint.CheckpointError, lock.LockedError)) as e:
+      checkpoint.Checkpoints(str(target))
+    raised.append((type(e.value), str(e.value)))
+  assert raised[0] == raised[1], raised
+  if problem == "locked":
+    holder.lock.release()

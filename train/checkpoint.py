@@ -17,6 +17,7 @@ trainer out of the folder.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -26,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from train import data, lock, stepdirs
+from train import data, hosts, lock, stepdirs
 
 
 class ResumeMismatchError(ValueError):
@@ -58,37 +59,50 @@ class Checkpoints:
     self.set_aside: list[str] = []  # damaged steps this run renamed, as their new paths
     self.made = False  # this process made the folder (os.mkdir succeeded): discard_if_unused may remove it
     self.lock = lock.DirLock(self.directory)
+    failure = ""  # process 0's, as JSON [kind, message]: the others wait for its answer, so it always sends one
     if jax.process_index() == 0:
       try:
-        os.makedirs(os.path.dirname(self.directory), exist_ok=True)
-        try:
-          os.mkdir(self.directory)
-          self.made = True
-        except FileExistsError:
-          if not os.path.isdir(self.directory):
-            raise
-        self.lock.acquire()
-        tempfile.TemporaryFile(dir=self.directory, prefix=".attnlayers-probe-").close()  # saving will work
-      except (FileExistsError, NotADirectoryError):
-        raise CheckpointError(f"--ckpt-dir {directory}: not a folder (a file is in the way)") from None
-      except OSError as e:
-        self.lock.release()
-        raise CheckpointError(f"--ckpt-dir {directory}: cannot write there ({e.strerror}: {e.filename})") from None
-      if self.lock.stale_holder:
-        _say(f"took over {self.lock.path} from a trainer that did not release it ({self.lock.stale_holder}; "
-             "no longer running)")
-      found = stepdirs.listing(self.directory)
-      deleted, left = stepdirs.remove_unfinished(self.directory, found.unfinished)
-      for name in deleted:
-        _say(f"removed {os.path.join(self.directory, name)}: a save of this program that was stopped")
-      for name in left:
-        _say(f"{os.path.join(self.directory, name)} is not a save {stepdirs.JOURNAL} names: it is left alone (an "
-             "attnlayers from before that journal left a stopped save like this; delete it if it is one)")
-      for step in found.foreign:
-        _say(f"{stepdirs.step_path(self.directory, step)} has no {stepdirs.MANIFEST}: not a checkpoint this "
-             "program wrote, so it is never restored nor deleted")
+        self._open(directory)
+      except Exception as e:
+        hosts.from_process_0(json.dumps([type(e).__name__, str(e)[:300]]))  # fits hosts.SIZE however escaped
+        raise
+    failure = hosts.from_process_0(failure)
+    if failure:  # another process: process 0's error, as process 0 raised it
+      kind, message = json.loads(failure)
+      raise {"LockedError": lock.LockedError}.get(kind, CheckpointError)(message)
     self.checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(
         state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler(), fp8=ocp.StandardCheckpointHandler()))
+
+  def _open(self, directory: str) -> None:
+    """Process 0: makes and locks the folder, probes that it can write there, and tidies what a stopped save left."""
+    try:
+      os.makedirs(os.path.dirname(self.directory), exist_ok=True)
+      try:
+        os.mkdir(self.directory)
+        self.made = True
+      except FileExistsError:
+        if not os.path.isdir(self.directory):
+          raise
+      self.lock.acquire()
+      tempfile.TemporaryFile(dir=self.directory, prefix=".attnlayers-probe-").close()  # saving will work
+    except (FileExistsError, NotADirectoryError):
+      raise CheckpointError(f"--ckpt-dir {directory}: not a folder (a file is in the way)") from None
+    except OSError as e:
+      self.lock.release()
+      raise CheckpointError(f"--ckpt-dir {directory}: cannot write there ({e.strerror}: {e.filename})") from None
+    if self.lock.stale_holder:
+      _say(f"took over {self.lock.path} from a trainer that did not release it ({self.lock.stale_holder}; "
+           "no longer running)")
+    found = stepdirs.listing(self.directory)
+    deleted, left = stepdirs.remove_unfinished(self.directory, found.unfinished)
+    for name in deleted:
+      _say(f"removed {os.path.join(self.directory, name)}: a save of this program that was stopped")
+    for name in left:
+      _say(f"{os.path.join(self.directory, name)} is not a save {stepdirs.JOURNAL} names: it is left alone (an "
+           "attnlayers from before that journal left a stopped save like this; delete it if it is one)")
+    for step in found.foreign:
+      _say(f"{stepdirs.step_path(self.directory, step)} has no {stepdirs.MANIFEST}: not a checkpoint this "
+           "program wrote, so it is never restored nor deleted")
 
   def listing(self) -> stepdirs.Listing:
     return stepdirs.listing(self.directory)

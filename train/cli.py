@@ -22,14 +22,12 @@ import sys
 import time
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 import attnlayers
 from attnlayers import spec
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, lock, loop, metrics, report, signals
+from train import checkpoint, config, hosts, lock, loop, metrics, report, signals
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -180,19 +178,11 @@ def agreed_run_dir() -> str:
       answer["path"] = fresh_run_dir()
     except OSError as e:
       answer["error"] = e.strerror or str(e)
-  answer = json.loads(_from_process_0(json.dumps(answer)))  # a path under RUNS or an OS message: well under 4096
+  answer = json.loads(hosts.from_process_0(json.dumps(answer)))  # a path under RUNS or an OS message
   if answer["error"]:
     raise RunDirError(f"cannot make a run folder in {RUNS}/ ({answer['error']}); give --ckpt-dir elsewhere, or "
                       "--no-ckpt")
   return answer["path"]
-
-
-def _from_process_0(text: str) -> str:
-  """Process 0's `text` (up to 4096 bytes) on every process; each passes its own, the others' are not read."""
-  if jax.process_count() == 1:
-    return text
-  raw = np.frombuffer(text.encode().ljust(4096, b"\0"), np.uint8)  # (4096,) on every process
-  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
 
 
 def _discard_if_unused(path: str) -> None:

@@ -1,0 +1,25 @@
+"""Process 0 decides, every process acts on its answer: the broadcast the trainer's folder handling uses.
+
+Each process calls `from_process_0` with its own value at the same point; process 0's comes back on
+all of them. Process 0 must reach that point on every path, its failures included: the others wait
+for its answer and would wait for ever for one that never comes.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+SIZE = 4096  # bytes of text one broadcast carries
+
+
+def from_process_0(text: str) -> str:
+  """Process 0's `text` (at most SIZE bytes of UTF-8) on every process; the others' own are not read."""
+  if jax.process_count() == 1:
+    return text
+  data = text.encode()
+  if len(data) > SIZE:
+    raise ValueError(f"from_process_0 carries at most {SIZE} bytes; got {len(data)}: {text[:80]!r}...")
+  raw = np.frombuffer(data.ljust(SIZE, b"\0"), np.uint8)  # (SIZE,) on every process
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
