@@ -506,8 +506,29 @@ def test_other_data_under_the_same_path_is_refused_and_a_relative_path_is_the_sa
   assert loop.run(tiny(tmp_path / "c", data="d.txt", steps=20, allow_change=("steps",)))["steps"] == 20
   text.write_bytes(bytes(range(126, 31, -1)) * 100)  # the same size, other bytes
   with pytest.raises(checkpoint.ResumeMismatchError, match=rf"data: '{re.escape(str(text))}' held other data when "
-                     r"the checkpoint was saved: \{'train': 8550, 'val': 950, 'sha256': '[0-9a-f]{64}'\} then"):
+                     r"the checkpoint was saved: \{'train': 8550, 'val': 950, 'sha256': '[0-9a-f]{64}'\} then.*"
+                     r"accept with --allow-change data"):
     loop.run(tiny(tmp_path / "c", data="d.txt", steps=30, allow_change=("steps",)))
+  assert loop.run(tiny(tmp_path / "c", data="d.txt", steps=30, allow_change=("steps", "data")))["steps"] == 30
+
+
+def test_allow_change_data_accepts_other_data_and_says_so(tmp_path, capsys):
+  """--allow-change data: a resume on another file (or on the same rewritten) is accepted, printed and recorded."""
+  one, two = tmp_path / "one.txt", tmp_path / "two.txt"
+  one.write_bytes(bytes(range(32, 127)) * 100)
+  two.write_bytes(bytes(range(126, 31, -1)) * 120)
+  common = [*TINY, "--steps", "10", "--ckpt-dir", str(tmp_path / "c"), "--metrics", str(tmp_path / "m.jsonl")]
+  cli.main([*common, "--data", str(one)])
+  with pytest.raises(SystemExit) as e:
+    cli.main([*common, "--steps", "20", "--allow-change", "steps", "--data", str(two)])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "data: checkpoint" in err and "or accept it with --allow-change data" in err, err
+  cli.main([*common, "--steps", "20", "--allow-change", "steps", "--allow-change", "data", "--data", str(two)])
+  out = capsys.readouterr().out
+  assert f"--allow-change data: {str(one)!r} in the checkpoint, {str(two)!r} from now on" in out, out
+  assert "--allow-change data: content {'train': 8550" in out, out
+  resume = [json.loads(line) for line in open(tmp_path / "m.jsonl") if '"resume"' in line][-1]
+  assert set(resume["changed"]) == {"steps", "data", "data_content"}, resume
 
 
 def test_a_checkpoint_saved_before_data_content_was_kept_resumes_on_its_path_as_typed(tmp_path, monkeypatch):

@@ -266,7 +266,7 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
   """Refuses a resume that would not continue the saved run; returns the changes `allow_change` accepts.
 
   Architecture (with the attention window), seed, data (its resolved path, and its content as Dataset.content
-  records it, where the checkpoint did) and packing must match; the trajectory
+  records it, where the checkpoint did; unless `allow_change` names "data") and packing must match; the trajectory
   settings under "run" (learning rate, schedule length, batch, dtype, ...) may differ only
   where `allow_change` names them.
   Returns {setting: {"from": checkpoint's value, "to": this run's}} for the accepted differences.
@@ -275,6 +275,10 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
   for key in ("model", "seed", "data", "data_content", "pack", "run"):
     a, b = saved.get(key, ABSENT_META.get(key)), expected.get(key)
     if key == "data" and _same_path(a, b) or key == "data_content" and a is None:  # None: saved before it was kept
+      continue
+    if key in ("data", "data_content") and "data" in allow_change:
+      if a != b:
+        accepted[key] = {"from": a, "to": b}
       continue
     if isinstance(a, dict) and isinstance(b, dict) and key != "data_content":
       for k in sorted(set(a) | set(b)):
@@ -289,9 +293,11 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
           diffs.append(f"{key}.{k}: checkpoint {was!r}, now {b.get(k)!r}{hint}")
     elif key == "data_content" and a != b:
       diffs.append(f"data: {expected.get('data')!r} held other data when the checkpoint was saved: {a} then, {b} "
-                   "now (token counts for training and held out, and a sha256 of each file's size and ends)")
+                   "now (token counts for training and held out, and a sha256 of each file's size and ends; "
+                   "accept with --allow-change data)")
     elif a != b:
-      diffs.append(f"{key}: checkpoint {a!r}, now {b!r} (python -m train sets it with {META_FLAGS[key]})")
+      hint = "; or accept it with --allow-change data" if key == "data" else ""
+      diffs.append(f"{key}: checkpoint {a!r}, now {b!r} (python -m train sets it with {META_FLAGS[key]}{hint})")
   if diffs:
     raise ResumeMismatchError(
         f"cannot resume from {directory} (step {step}): it was written by a different run:\n  " + "\n  ".join(diffs)

@@ -122,11 +122,12 @@ def parser() -> argparse.ArgumentParser:
   keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
   p.add_argument("--ckpt-every", type=one, default=100,
                  help="steps between checkpoints (the last step is always saved)")
-  changeable = [k for k in config.TRAJECTORY if k not in ("weight_decay", "clip")]  # those have no flag
+  changeable = [k for k in config.TRAJECTORY if k not in ("weight_decay", "clip")] + [config.DATA]  # those two have no flag
   p.add_argument("--allow-change", type=_setting, choices=changeable, action="append", default=[],
                  metavar="SETTING", help="let a resume change this setting from the checkpoint's (one of "
-                 f"{', '.join(changeable)}; repeatable); the change is recorded in --metrics; default: "
-                 "a resume must keep them all")
+                 f"{', '.join(changeable)}; repeatable; data: --data's path or its content, e.g. another "
+                 "Python's standard library); the change is recorded in --metrics; default: a resume must keep "
+                 "them all")
   p.add_argument("--eval-every", type=zero, default=100, help="steps between validation losses; 0: none")
   p.add_argument("--log-every", type=one, default=10, help="steps between metrics records")
   p.add_argument("--metrics", help="append JSON lines (per logged step, resumes, ...) to this file; default: none")

@@ -12,6 +12,7 @@ PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run
 # The settings that, with the model's architecture, seed and data, decide every step's numbers:
 # a resume must keep them unless TrainConfig.allow_change names them.
 TRAJECTORY = ("steps", "batch_size", "lr", "warmup", "lr_schedule", "weight_decay", "decay_rule", "clip", "dtype")
+DATA = "data"  # allow_change may name it too: the data's path and content (other data, or the same rewritten)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +36,7 @@ class TrainConfig:
   peak_tflops: float | None = None  # override the device's bf16 peak for MFU
   progress: bool = True  # tqdm bar
   profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of PROFILE_WINDOW here
-  allow_change: tuple[str, ...] = ()  # TRAJECTORY settings a resume may change; recorded in the metrics file
+  allow_change: tuple[str, ...] = ()  # TRAJECTORY settings (and DATA) a resume may change; recorded in the metrics file
   pack: bool = False  # train on packed documents (train.packing); validation is unpacked windows either way
 
   def __post_init__(self):
@@ -48,7 +49,7 @@ class TrainConfig:
              ("eval_batches", self.eval_batches >= 1, ">= 1"), ("log_every", self.log_every >= 1, ">= 1"),
              ("sample_tokens", self.sample_tokens >= 0, ">= 0"),
              ("peak_tflops", self.peak_tflops is None or finite(self.peak_tflops) and self.peak_tflops > 0, "> 0"),
-             ("allow_change", set(self.allow_change) <= set(TRAJECTORY), f"some of {', '.join(TRAJECTORY)}")]
+             ("allow_change", set(self.allow_change) <= {*TRAJECTORY, DATA}, f"some of {', '.join(TRAJECTORY)}, {DATA}")]
     bad = [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in rules if not ok]
     if self.profile_dir and self.steps < PROFILE_WINDOW[1]:
       first, last = PROFILE_WINDOW

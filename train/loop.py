@@ -214,8 +214,9 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile)
         f"above {step} to train on from it, or sample from it: python -m sample --ckpt-dir {ckpts.directory}")
   changes = ckpts.check_resume(step, meta, cfg.allow_change)
   out.write({"event": "resume", "step": step, "ckpt_dir": ckpts.directory, "changed": changes})
-  for k, c in changes.items():
-    print(f"--allow-change {k}: {c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
+  for k, c in changes.items():  # data_content: accepted with --allow-change data
+    name = "data: content " if k == "data_content" else f"{k}: "
+    print(f"--allow-change {name}{c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
   return step
 
 
