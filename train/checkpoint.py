@@ -100,9 +100,19 @@ class Checkpoints:
     for name in left:
       _say(f"{os.path.join(self.directory, name)} is not a save {stepdirs.JOURNAL} names: it is left alone (an "
            "attnlayers from before that journal left a stopped save like this; delete it if it is one)")
+    deleted, left = stepdirs.finish_removal(self.directory, found.removing)
+    for name in deleted:
+      _say(f"removed {os.path.join(self.directory, name)}: an old step this program was deleting (rotation keeps "
+           f"the newest {self.keep}) when it was stopped")
+    for name in left:
+      _say(f"{os.path.join(self.directory, name)} is not a deletion {stepdirs.REMOVAL_JOURNAL} names: it is left "
+           "alone (delete it if you do not need it)")
     for step in found.foreign:
+      looks = stepdirs.holds_orbax_items(stepdirs.step_path(self.directory, step))
       _say(f"{stepdirs.step_path(self.directory, step)} has no {stepdirs.MANIFEST}: not a checkpoint this "
-           "program wrote, so it is never restored nor deleted")
+           "program wrote, so it is never restored nor deleted" + (
+               f" (it holds what orbax writes: an attnlayers from before {stepdirs.REMOVAL_JOURNAL} was kept left "
+               "an old step it was stopped deleting like this; delete it if it is one)" if looks else ""))
 
   def listing(self) -> stepdirs.Listing:
     return stepdirs.listing(self.directory)

@@ -6,10 +6,14 @@ renamed to `<step>`. So a folder is ours when it carries a manifest, and intact 
 exactly the files it lists, with the recorded sizes and hashes, under the name of the step it
 records. Before orbax starts, `attnlayers.saving` names the step being saved; a save that was
 stopped leaves it, and only the `<step>.saving` folders of the step it names are deleted (with
-orbax's temporary `.orbax-checkpoint-tmp` ones). Nothing else is ever deleted: damaged steps,
-and numeric folders left empty, are renamed to `<step>.corrupt-<n>` for a person to look at;
-folders and files without a manifest are left alone; rotation deletes only older steps that
-carry a manifest. Step names are canonical decimals (`7`, not `007`).
+orbax's temporary `.orbax-checkpoint-tmp` ones). Rotation deletes only older steps that carry a
+manifest, and never in place (a step folder part deleted would have lost its manifest, and with
+it the mark that it is ours): `attnlayers.removing` names a free `<step>.removing` folder, the
+step is renamed to it (atomic: the step is whole under its name, or gone from it), and only then
+deleted; a deletion that was stopped is finished on the next start, for the folder the journal
+names alone. Nothing else is ever deleted: damaged steps, and numeric folders left empty, are
+renamed to `<step>.corrupt-<n>` for a person to look at; folders and files without a manifest
+are left alone. Step names are canonical decimals (`7`, not `007`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ MANIFEST = "attnlayers.json"
 FORMAT = "attnlayers-checkpoint"  # the manifest's "format" value; "version" is 1
 SAVING = ".saving"  # suffix of a step folder still being written
 JOURNAL = "attnlayers.saving"  # the step being saved, written before orbax starts and removed once it is sealed
+REMOVING = ".removing"  # suffix of an old step's folder that rotation is deleting
+REMOVAL_JOURNAL = "attnlayers.removing"  # that folder's name, written before the step is renamed to it
 STEP = r"0|[1-9]\d*"  # a step's folder name
+ORBAX_ITEMS = ("_CHECKPOINT_METADATA", "state", "meta", "fp8")  # what orbax writes into a step's folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +41,7 @@ class Listing:
   empty: tuple[int, ...]  # numeric folders with nothing in them: what is left of a step emptied by accident
   foreign: tuple[int, ...]  # numeric folders with files but no manifest, and numeric files: not ours, never touched
   unfinished: tuple[str, ...]  # `<step>.saving...` folders: a stopped save's, if JOURNAL names their step
+  removing: tuple[str, ...]  # `<step>.removing[-<n>]` folders: a stopped rotation's, if REMOVAL_JOURNAL names it
 
 
 def step_path(directory: str, step: int) -> str:
@@ -41,7 +49,7 @@ def step_path(directory: str, step: int) -> str:
 
 
 def listing(directory: str) -> Listing:
-  ours, empty, foreign, unfinished = [], [], [], []
+  ours, empty, foreign, unfinished, removing = [], [], [], [], []
   for name in os.listdir(directory) if os.path.isdir(directory) else []:
     path = os.path.join(directory, name)
     if not os.path.isdir(path):
@@ -50,10 +58,25 @@ def listing(directory: str) -> Listing:
       continue
     if re.fullmatch(f"({STEP}){re.escape(SAVING)}(\\.orbax-checkpoint-tmp.*)?", name):
       unfinished.append(name)
+    elif _removal_step(name) is not None:
+      removing.append(name)
     elif re.fullmatch(STEP, name):
       kind = ours if os.path.lexists(os.path.join(path, MANIFEST)) else foreign if os.listdir(path) else empty
       kind.append(int(name))
-  return Listing(tuple(sorted(ours)), tuple(sorted(empty)), tuple(sorted(foreign)), tuple(sorted(unfinished)))
+  return Listing(tuple(sorted(ours)), tuple(sorted(empty)), tuple(sorted(foreign)), tuple(sorted(unfinished)),
+                 tuple(sorted(removing)))
+
+
+def _removal_step(name: str) -> int | None:
+  """The step of a `<step>.removing` or `<step>.removing-<n>` name (n >= 2), else None."""
+  match = re.fullmatch(f"({STEP}){re.escape(REMOVING)}(-[2-9]|-[1-9]\\d+)?", name)
+  return int(match[1]) if match else None
+
+
+def holds_orbax_items(folder: str) -> bool:
+  """Whether `folder` holds any of ORBAX_ITEMS: a numeric folder without a manifest that does may be what is left
+  of a step an attnlayers from before REMOVAL_JOURNAL was stopped deleting (it deleted in place)."""
+  return any(os.path.lexists(os.path.join(folder, name)) for name in ORBAX_ITEMS)
 
 
 def _files(folder: str) -> list[str]:
@@ -81,12 +104,18 @@ def write_manifest(folder: str, step: int) -> None:
 
 
 def _write_whole(path: str, text: str) -> None:
-  """`text` into `path` through a synced temporary file and a rename: the file is whole or absent."""
+  """`text` into `path` through a synced temporary file and a rename: the file is whole or absent; its folder is
+  synced too, so that a rename after this one (a journal's step's) cannot reach the disk before it does."""
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     f.write(text)
     f.flush()
     os.fsync(f.fileno())
   os.replace(path + ".tmp", path)
+  folder = os.open(os.path.dirname(path), os.O_RDONLY)
+  try:
+    os.fsync(folder)
+  finally:
+    os.close(folder)
 
 
 def problem(folder: str) -> str | None:
@@ -171,5 +200,35 @@ def rotate(directory: str, keep: int) -> list[int]:
   """Deletes all but the newest `keep` steps that carry a manifest; returns the deleted steps."""
   old = listing(directory).ours[:-keep]
   for step in old:
-    shutil.rmtree(step_path(directory, step))
+    _remove_step(directory, step)
   return list(old)
+
+
+def _remove_step(directory: str, step: int) -> None:
+  """Deletes step `step` through a `<step>.removing` folder REMOVAL_JOURNAL names first: stopped anywhere, it
+  leaves the step whole under its name, or a folder finish_removal deletes, never a step without its manifest."""
+  name, n = f"{step}{REMOVING}", 2
+  while os.path.lexists(os.path.join(directory, name)):  # someone's folder of that name: not ours to replace
+    name, n = f"{step}{REMOVING}-{n}", n + 1
+  _write_whole(os.path.join(directory, REMOVAL_JOURNAL), f"{name}\n")
+  os.rename(step_path(directory, step), os.path.join(directory, name))
+  shutil.rmtree(os.path.join(directory, name))
+  os.remove(os.path.join(directory, REMOVAL_JOURNAL))
+
+
+def finish_removal(directory: str, names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+  """Deletes the `<step>.removing` folder REMOVAL_JOURNAL names (an old step this program was deleting in
+  rotation when it was stopped), then the journal; returns (deleted, left) of `names` (listing's `removing`):
+  the others are not known to be ours and stay. A named folder whose step folder exists too stays: the step was
+  never renamed to it (rotation was stopped before), so that folder is someone else's."""
+  try:
+    with open(os.path.join(directory, REMOVAL_JOURNAL), encoding="utf-8") as f:
+      named = f.read().strip()
+  except (OSError, UnicodeDecodeError):  # none (FileNotFoundError), or not one this program wrote whole
+    return [], list(names)
+  step = _removal_step(named)
+  ours = [named] if named in names and step is not None and not os.path.lexists(step_path(directory, step)) else []
+  for name in ours:
+    shutil.rmtree(os.path.join(directory, name))
+  os.remove(os.path.join(directory, REMOVAL_JOURNAL))
+  return ours, [n for n in names if n not in ours]
