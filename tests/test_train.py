@@ -253,15 +253,20 @@ def test_rerun_of_a_finished_run_says_nothing_was_trained(tmp_path, capsys):
   assert f"no step to train: the model was saved in {tmp_path / 'c'} (step 2)" in out, out
 
 
-def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
+def test_nan_stops_keeps_last_good_checkpoint_and_records_why(tmp_path):
   ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "5"]
   rc, _, err = train_cli(*SMALL, "--steps", "10", *ckpt)
   assert rc == 0, err
   rc, _, err = train_cli(*SMALL, "--steps", "30", "--lr", "1e30", "--allow-change", "steps", "--allow-change", "lr",
-                         *ckpt)
+                         "--metrics", str(tmp_path / "m.jsonl"), *ckpt)
   assert rc == 2
   assert "loss is nan at step" in err or "loss is inf at step" in err, err
   assert "the last good checkpoint, step 10" in err and "untouched" in err
+  records = [loop.metrics.loads(line) for line in open(tmp_path / "m.jsonl")]
+  last = records[-1]  # the metrics file says why the run ended, as it does for a signal's stop
+  assert last.keys() == {"event", "step", "loss", "last_good"} and last["event"] == "diverged", records
+  assert not np.isfinite(last["loss"]) and last["last_good"] == 10 and 10 < last["step"] <= 30, last
+  assert f"loss is {last['loss']} at step {last['step']}" in err, err
   rc, out, err = train_cli(*SMALL, "--steps", "12", "--allow-change", "steps", *ckpt)
   assert rc == 0 and "at step 10" in out, err
 

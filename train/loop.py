@@ -220,11 +220,14 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile)
   return step
 
 
-def _finite(loss: float, step: int, ckpts) -> float:
+def _finite(s: Session, loss: float, step: int) -> float:
+  """`loss`, where it is finite; else TrainingDiverged, after writing the run's `diverged` record: the step, its
+  loss, and the step of the last good checkpoint (None: none), which the run would resume from."""
   if not math.isfinite(loss):
-    good = ckpts.last_good if ckpts else None
-    where = f"the last good checkpoint, step {good} in {ckpts.directory}, is untouched" if good is not None \
+    good = s.ckpts.last_good if s.ckpts else None
+    where = f"the last good checkpoint, step {good} in {s.ckpts.directory}, is untouched" if good is not None \
         else "no checkpoint was written"
+    s.out.write({"event": "diverged", "step": step, "loss": loss, "last_good": good})
     raise TrainingDiverged(f"loss is {loss} at step {step}; stopped: {where}. Lower --lr or raise --warmup.")
   return loss
 
@@ -240,7 +243,7 @@ def _report(s: Session, step: int, loss_arr, state: dict, bar, *, evaluate: bool
   `state` is that step's unless neither (a log-only report may come one step late: _train). `next_loss`:
   the loss of the step dispatched after this one, where there is one."""
   was_ready = loss_arr.is_ready()  # before waiting on it: whether its end went unseen
-  loss = _finite(float(loss_arr), step, s.ckpts)  # waits for the step
+  loss = _finite(s, float(loss_arr), step)  # waits for the step
   now = time.perf_counter()  # read before looking at the next step: if that one ends after it, it ran before it
   done = _steps_done(step, was_ready, next_loss)
   counted = done is not None and done > s.throughput.last_step  # steps ended in the interval, and it can end now
@@ -338,7 +341,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
       profiler.after(step, loss_arr)
       bar.update(1)
       if s.throughput.time_to_first_step_s is None:
-        loss = _finite(float(loss_arr), step, s.ckpts)
+        loss = _finite(s, float(loss_arr), step)
         s.throughput.first_step_done(step)
       stopping = s.stop.received is not None  # read once: a signal during the report waits for the next step
       log, evaluate = _due(cfg, step, cfg.log_every), _due(cfg, step, cfg.eval_every)
