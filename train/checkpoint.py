@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from train import data, hosts, lock, stepdirs
+from train import data, hosts, lock, stepdirs, undo
 
 
 class ResumeMismatchError(ValueError):
@@ -57,7 +57,8 @@ class Checkpoints:
     self.keep = keep
     self.last_good: int | None = None  # the newest step this run restored after verifying it, or saved
     self.set_aside: list[str] = []  # damaged steps this run renamed, as their new paths
-    self.made = False  # this process made the folder (os.mkdir succeeded): discard_if_unused may remove it
+    self.made: list[str] = []  # folders this process made, the folder and those above it: discard_if_unused's
+    self.saved = False  # this run began a save here: the folder is then a checkpoint folder, lock file and all
     self.lock = lock.DirLock(self.directory)
     failure = ""  # process 0's, as JSON [kind, message]: the others wait for its answer, so it always sends one
     if jax.process_index() == 0:
@@ -76,19 +77,15 @@ class Checkpoints:
   def _open(self, directory: str) -> None:
     """Process 0: makes and locks the folder, probes that it can write there, and tidies what a stopped save left."""
     try:
-      os.makedirs(os.path.dirname(self.directory), exist_ok=True)
-      try:
-        os.mkdir(self.directory)
-        self.made = True
-      except FileExistsError:
-        if not os.path.isdir(self.directory):
-          raise
+      self.made = undo.make_dirs(self.directory)
       self.lock.acquire()
       tempfile.TemporaryFile(dir=self.directory, prefix=".attnlayers-probe-").close()  # saving will work
     except (FileExistsError, NotADirectoryError):
       raise CheckpointError(f"--ckpt-dir {directory}: not a folder (a file is in the way)") from None
     except OSError as e:
+      self.lock.remove_made()
       self.lock.release()
+      undo.remove_empty(self.made)
       raise CheckpointError(f"--ckpt-dir {directory}: cannot write there ({e.strerror}: {e.filename})") from None
     if self.lock.stale_holder:
       _say(f"took over {self.lock.path} from a trainer that did not release it ({self.lock.stale_holder}; "
@@ -127,6 +124,7 @@ class Checkpoints:
                  meta=ocp.args.JsonSave(meta | {"step": step}))
     if state.get("fp8"):
       items["fp8"] = ocp.args.StandardSave(state["fp8"])
+    self.saved = True
     if jax.process_index() == 0:
       stepdirs.begin(self.directory, step)  # a save stopped from here on is known to be ours
     self.checkpointer.save(stepdirs.saving_path(self.directory, step), args=ocp.args.Composite(**items), force=True)
@@ -221,10 +219,12 @@ class Checkpoints:
                                 f"model: {diffs[0]}{more}")
 
   def discard_if_unused(self) -> None:
-    """Removes the folder this process made and holds the lock of, where it holds nothing but the lock (the run
-    failed before saving); a folder that existed, or another trainer's, stays."""
-    if jax.process_index() == 0 and self.made and self.lock.fd is not None:
-      lock.remove_if_unused(self.directory)
+    """Where this process holds the lock and this run saved nothing (it failed before saving, e.g. refused), removes
+    what opening the folder made: the lock file, if it created it, then the folders it made (the folder and those
+    above it), where empty. A folder that existed, what is in it, and another trainer's folder or lock, stay."""
+    if jax.process_index() == 0 and self.lock.fd is not None and not self.saved:
+      self.lock.remove_made()
+      undo.remove_empty(self.made)
 
   def close(self) -> None:
     self.checkpointer.close()
