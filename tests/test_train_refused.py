@@ -28,6 +28,15 @@ def refused(tmp_path, capsys):
   return run
 
 
+@pytest.mark.parametrize("before", [None, b"", b'{"step": 1}\n'], ids=["new", "empty", "with-records"])
+def test_a_refused_run_removes_only_a_metrics_file_it_created(tmp_path, refused, before):
+  path = tmp_path / "m.jsonl"
+  if before is not None:
+    path.write_bytes(before)
+  refused("--no-ckpt", "--metrics", str(path))
+  assert path.read_bytes() == before if before is not None else not path.exists()
+
+
 def test_a_refused_run_removes_the_lock_file_it_made_in_an_existing_folder(tmp_path, refused):
   (tmp_path / "c").mkdir()
   (tmp_path / "c" / "notes.txt").write_text("mine")
@@ -37,6 +46,28 @@ def test_a_refused_run_removes_the_lock_file_it_made_in_an_existing_folder(tmp_p
   (tmp_path / "held" / "attnlayers.lock").write_text("")  # an earlier run's: not this run's to remove
   refused("--ckpt-dir", str(tmp_path / "held"))
   assert os.listdir(tmp_path / "held") == ["attnlayers.lock"]
+
+
+def test_a_refused_run_removes_the_folders_it_made_on_the_way_to_its_outputs(tmp_path, refused):
+  (tmp_path / "kept").mkdir()
+  refused("--steps", "20", "--ckpt-dir", str(tmp_path / "a" / "b" / "c"), "--profile-dir",
+          str(tmp_path / "kept" / "p" / "q"))
+  assert sorted(os.listdir(tmp_path)) == ["d.txt", "kept"] and os.listdir(tmp_path / "kept") == []
+
+
+def test_a_run_refused_at_restore_writes_nothing_to_the_metrics_file(tmp_path, monkeypatch, capsys):
+  """The resume and start records are written once the checkpoint is restored: a resume refused there (here
+  restore raises as it does for arrays of other shapes) leaves an existing metrics file as it was."""
+  common = [*TINY, "--ckpt-dir", str(tmp_path / "c"), "--metrics", str(tmp_path / "m.jsonl")]
+  cli.main([*common, "--steps", "2"])
+  before = (tmp_path / "m.jsonl").read_bytes()
+  def refuse(self, step, like):
+    raise checkpoint.ResumeMismatchError(f"cannot resume from {self.directory} (step {step}): its arrays differ")
+  monkeypatch.setattr(checkpoint.Checkpoints, "restore", refuse)
+  with pytest.raises(SystemExit) as e:
+    cli.main([*common, "--steps", "4", "--allow-change", "steps"])
+  assert e.value.code == 2 and "its arrays differ" in capsys.readouterr().err
+  assert (tmp_path / "m.jsonl").read_bytes() == before
 
 
 def test_a_trainer_that_opened_a_lock_file_removed_since_locks_the_one_there_now(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ import models
 from attnlayers.fp8 import FP8Meta
 from models import kernels
 from models.loss import head_cross_entropy
-from train import checkpoint, data, metrics, optim, report, signals, stepdirs
+from train import checkpoint, data, metrics, optim, report, signals, stepdirs, undo
 from train.config import PROFILE_WINDOW, TrainConfig
 
 # XLA options the step and evaluation compile with (GPU options; other platforms ignore them).
@@ -162,27 +162,39 @@ class Session:
 
 def _open_outputs(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[checkpoint.Checkpoints | None,
                                                                           metrics.MetricsFile]:
-  """Locks the checkpoint folder and opens the metrics file: every path problem, before any work."""
+  """Locks the checkpoint folder and opens the metrics file: every path problem, before any work. A run refused
+  after this removes what these made and it left empty (_if_refused)."""
   if cfg.profile_dir and os.path.exists(cfg.profile_dir) and not os.path.isdir(cfg.profile_dir):
     raise ValueError(f"--profile-dir {cfg.profile_dir}: is a file; give a folder for the trace")
   if cfg.profile_dir:
     try:  # the trace is written after steps have run: make sure it can be
-      os.makedirs(cfg.profile_dir, exist_ok=True)
+      made = undo.make_dirs(cfg.profile_dir)
+      _if_refused(stack, lambda: undo.remove_empty(made))
       tempfile.TemporaryFile(dir=cfg.profile_dir, prefix=".attnlayers-probe-").close()
     except OSError as e:
       raise ValueError(f"--profile-dir {cfg.profile_dir}: cannot write there ({e.strerror})") from None
   ckpts = checkpoint.Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
   if ckpts:
     stack.callback(ckpts.close)
-    # a run refused after this (not stopped by a signal) removes the folder it made, if it saved nothing there
-    stack.push(lambda kind, *_: kind and not issubclass(kind, signals.Stopped) and ckpts.discard_if_unused())
+    _if_refused(stack, ckpts.discard_if_unused)
     ours = ckpts.listing().ours
     if cfg.profile_dir and ours and cfg.steps - ours[-1] < PROFILE_WINDOW[1]:
       raise ValueError(f"--profile-dir traces steps {PROFILE_WINDOW[0]}-{PROFILE_WINDOW[1]} after the resume "
                        f"from step {ours[-1]}, but --steps is {cfg.steps}")
   out = metrics.MetricsFile(cfg.metrics)
   stack.callback(out.close)
+  _if_refused(stack, out.discard_if_empty)
   return ckpts, out
+
+
+def _if_refused(stack: contextlib.ExitStack, undo_it) -> None:
+  """Calls `undo_it` as `stack` closes on an exception other than a signal's stop (a run that failed before it
+  trained: whatever it made that holds nothing of the run's is removed); the exception goes on."""
+  def exit_(kind, *_) -> bool:
+    if kind is not None and not issubclass(kind, signals.Stopped):
+      undo_it()
+    return False  # never swallows the exception
+  stack.push(exit_)
 
 
 def _load_data(cfg: TrainConfig) -> data.Dataset:
@@ -193,8 +205,9 @@ def _load_data(cfg: TrainConfig) -> data.Dataset:
   return dataset
 
 
-def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile) -> int:
-  """The newest checkpoint that verifies and belongs to this run (0: a fresh run); refuses another run's."""
+def _resume_point(cfg: TrainConfig, ckpts, meta: dict) -> tuple[int, dict]:
+  """The newest checkpoint that verifies and belongs to this run (0: a fresh run), and the changes to the run's
+  settings that --allow-change accepts (checkpoint.check_meta); refuses another run's."""
   step = ckpts.newest_intact() if ckpts else None
   if ckpts:  # fresh or resumed: a folder that is not ours where this run would save stops it now, not at the save
     saves = [s for s in range((step or 0) + 1, cfg.steps + 1) if s % cfg.ckpt_every == 0 or s == cfg.steps]
@@ -207,17 +220,16 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict, out: metrics.MetricsFile)
           f"{', '.join(paths)}. Move them, or give another --ckpt-dir (a <step>.saving folder may be a save an "
           "attnlayers from before attnlayers.saving was kept left stopped: delete it if it is one)")
   if step is None:
-    return 0
+    return 0, {}
   if step > cfg.steps:  # before the settings' check, which would offer --allow-change steps for it
     raise checkpoint.ResumeMismatchError(
         f"{ckpts.directory} holds step {step}, past --steps {cfg.steps}: there is nothing to train. Give --steps "
         f"above {step} to train on from it, or sample from it: python -m sample --ckpt-dir {ckpts.directory}")
   changes = ckpts.check_resume(step, meta, cfg.allow_change)
-  out.write({"event": "resume", "step": step, "ckpt_dir": ckpts.directory, "changed": changes})
   for k, c in changes.items():  # data_content: accepted with --allow-change data
     name = "data: content " if k == "data_content" else f"{k}: "
     print(f"--allow-change {name}{c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
-  return step
+  return step, changes
 
 
 def _finite(s: Session, loss: float, step: int) -> float:
@@ -404,15 +416,17 @@ def run(cfg: TrainConfig) -> dict:
     mesh = data_mesh(jax.devices())
     meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": data.source(cfg.data),
             "data_content": dataset.content(), "pack": cfg.pack, "run": cfg.trajectory()}
-    start = _resume_point(cfg, ckpts, meta, out)
-    out.write({"event": "start", "from_step": start, "steps": cfg.steps, "batch_size": cfg.batch_size,
-               "seq_len": cfg.model.seq_len, "attention": cfg.model.backend, "devices": jax.device_count(),
-               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})  # where a run (or a resume) begins in the file
+    start, changes = _resume_point(cfg, ckpts, meta)
     model, state = build(cfg, NamedSharding(mesh, P()))
     if start:
       state = ckpts.restore(start, state)
       newest = ", the newest checkpoint that verifies" if ckpts.set_aside else ""
       print(f"resumed from {ckpts.directory} at step {start}{newest}", flush=True)
+      out.write({"event": "resume", "step": start, "ckpt_dir": ckpts.directory, "changed": changes})
+    # the first records, once nothing can refuse the run any more: a refused run writes none
+    out.write({"event": "start", "from_step": start, "steps": cfg.steps, "batch_size": cfg.batch_size,
+               "seq_len": cfg.model.seq_len, "attention": cfg.model.backend, "devices": jax.device_count(),
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})  # where a run (or a resume) begins in the file
     if start >= cfg.steps:
       print(f"step {start} of {cfg.steps} is done: nothing to train")
     throughput = metrics.Throughput(t_start, start, cfg.batch_size * cfg.model.seq_len,

@@ -14,6 +14,8 @@ import time
 
 import jax
 
+from train import undo
+
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by device_kind substring.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
 
@@ -113,14 +115,28 @@ class MetricsFile:
   """Appends one JSON object a line; a resumed run keeps appending to the same file."""
 
   def __init__(self, path: str | None):
+    self.path = path
     self.file = None
+    self.created = False  # this process created the file: discard_if_empty may remove it
     if path and jax.process_index() == 0:
       if os.path.isdir(path):
         raise ValueError(f"--metrics {path}: is a folder; give a file path (JSON lines are appended to it)")
       try:
-        self.file = open(path, "a", encoding="utf-8")
+        try:
+          self.file, self.created = open(path, "x", encoding="utf-8"), True
+        except FileExistsError:
+          self.file = open(path, "a", encoding="utf-8")
       except OSError as e:
         raise ValueError(f"--metrics {path}: cannot write there ({e.strerror})") from None
+
+  def discard_if_empty(self) -> None:
+    """Closes the file, and removes it where this process created it and nothing was written to it (the run was
+    refused before its first record); a file that was there before stays as it was."""
+    if self.file and not self.file.closed and self.created:
+      fd = self.file.fileno()
+      if os.fstat(fd).st_size == 0 and undo.is_open_at(fd, self.path):
+        os.remove(self.path)
+    self.close()
 
   def write(self, record: dict) -> None:
     if self.file:
