@@ -48,6 +48,15 @@ def test_a_refused_run_removes_the_lock_file_it_made_in_an_existing_folder(tmp_p
   assert os.listdir(tmp_path / "held") == ["attnlayers.lock"]
 
 
+def test_a_refused_fresh_run_removes_the_runs_folder_it_made(tmp_path, refused, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  refused()
+  assert not (tmp_path / cli.RUNS).exists()
+  (tmp_path / cli.RUNS / "train-earlier").mkdir(parents=True)  # one that was there stays, as it was
+  refused()
+  assert os.listdir(tmp_path / cli.RUNS) == ["train-earlier"]
+
+
 def test_a_refused_run_removes_the_folders_it_made_on_the_way_to_its_outputs(tmp_path, refused):
   (tmp_path / "kept").mkdir()
   refused("--steps", "20", "--ckpt-dir", str(tmp_path / "a" / "b" / "c"), "--profile-dir",

@@ -27,7 +27,7 @@ import attnlayers
 from attnlayers import spec
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, hosts, lock, loop, metrics, report, signals
+from train import checkpoint, config, hosts, lock, loop, metrics, report, signals, undo
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -163,34 +163,40 @@ def fresh_run_dir() -> str:
       return path
     except FileExistsError:
       path, n = f"{base}-{n}", n + 1
+    except FileNotFoundError:  # a refused run that had made RUNS removed it, empty, since: make it again
+      os.makedirs(RUNS, exist_ok=True)
 
 
 class RunDirError(RuntimeError):
   """The run's own folder could not be made (on process 0); every process raises it, with process 0's reason."""
 
 
-def agreed_run_dir() -> str:
-  """The folder fresh_run_dir makes on process 0, on every process (they must save to one folder); where process 0
-  cannot make it, RunDirError on every process. Process 0 sends its failure too: the others wait for its answer,
-  and would wait for ever for a path that never comes."""
-  answer = {"path": "", "error": ""}
+def agreed_run_dir() -> tuple[str, list[str]]:
+  """The folder fresh_run_dir makes on process 0, on every process (they must save to one folder), and the folders
+  above it process 0 made (RUNS, where it was not there; [] on the others); where process 0 cannot make it,
+  RunDirError on every process. Process 0 sends its failure too: the others wait for its answer, and would wait
+  for ever for a path that never comes."""
+  answer, made = {"path": "", "error": ""}, []
   if jax.process_index() == 0:
     try:
+      made = undo.make_dirs(RUNS)
       answer["path"] = fresh_run_dir()
     except OSError as e:
+      undo.remove_empty(made)
       answer["error"] = e.strerror or str(e)
   answer = json.loads(hosts.from_process_0(json.dumps(answer)))  # a path under RUNS or an OS message
   if answer["error"]:
     raise RunDirError(f"cannot make a run folder in {RUNS}/ ({answer['error']}); give --ckpt-dir elsewhere, or "
                       "--no-ckpt")
-  return answer["path"]
+  return answer["path"], made
 
 
-def _discard_if_unused(path: str) -> None:
+def _discard_if_unused(path: str, above: list[str]) -> None:
   """Removes a run folder fresh_run_dir made for this run that holds nothing but the lock file (the run failed
-  before saving)."""
+  before saving), then the folders above it that agreed_run_dir made (`above`), where empty."""
   if jax.process_index() == 0:
     lock.remove_if_unused(path)
+    undo.remove_empty(above)
 
 
 def write_latest(path: str) -> None:
@@ -251,9 +257,11 @@ def main(argv=None) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
     jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
   fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
+  made = []  # the folders above it this run made (RUNS), removed with it if the run is refused
   if fresh:
     try:
-      cfg = dataclasses.replace(cfg, ckpt_dir=agreed_run_dir())  # process 0 makes it, every process saves there
+      run_dir, made = agreed_run_dir()  # process 0 makes it, every process saves there
+      cfg = dataclasses.replace(cfg, ckpt_dir=run_dir)
     except RunDirError as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
@@ -266,7 +274,7 @@ def main(argv=None) -> None:
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
     if fresh:  # made by fresh_run_dir: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
-      _discard_if_unused(cfg.ckpt_dir)
+      _discard_if_unused(cfg.ckpt_dir, made)
     print(f"error: {e}{_flag_hint(e, a)}", file=sys.stderr)
     sys.exit(2)
   sample, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
