@@ -27,7 +27,7 @@ class GPTConfig:
   tie_embeddings: bool = True  # output projection reuses the token embedding (GPT-2)
   bias: bool = True  # biases in the Linears and LayerNorms (GPT-2); False: none (nanoGPT's train.py default)
   window: int | None = None  # sliding window: each query sees itself and the window - 1 tokens before it; None = all
-  window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled over the layers
+  window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled over the layers from layer 0; some layer local
   max_segments: int | None = None  # packed rows: the most documents one holds (te runs B * max_segments sequences); None: seq_len
   kernels: str = "auto"  # the model's own GPU kernels (LayerNorm, bias + GELU, loss): models.kernels.KERNELS
 
@@ -59,6 +59,14 @@ class GPTConfig:
     if w is None and self.window_pattern != "local":
       raise ValueError(f"window_pattern {self.window_pattern!r} says which layers use the window; give window "
                        "(tokens per window) too")
+    layers = [kinds[i % len(kinds)] for i in range(self.n_layer)]  # as layer_window reads it
+    if w is not None and "local" not in layers:  # the pattern's 'local' lies past the last layer
+      first = kinds.index("local")
+      raise ValueError(
+          f"window_pattern {self.window_pattern!r} makes no layer of the {self.n_layer} (n_layer) local: it is read "
+          f"from layer 0 on, so the layers are {','.join(layers)!r} and the window ({w}) would apply to none; put "
+          f"'local' among its first {self.n_layer} entries (e.g. {','.join(['local'] + kinds[1:])!r}), give "
+          f"n_layer {first + 1} or more, or leave out window for no sliding window")
 
   def layer_window(self, layer: int) -> tuple[int, int] | None:
     """Layer `layer`'s sliding_window for attnlayers: (window - 1, 0), or None where it attends every earlier

@@ -341,3 +341,21 @@ def test_a_checkpoint_folder_process_0_cannot_use_stops_every_process_with_its_r
   assert raised[0] == raised[1], raised
   if problem == "locked":
     holder.lock.release()
+
+
+def _with_meta(monkeypatch, change):
+  """Makes python -m sample read the checkpoint's meta as `change(meta)` returns it."""
+  read = sample_cli._read_only
+  def patched(directory, step, **items):
+    got = read(directory, step, **items)
+    return got | {"meta": change(dict(got["meta"]))} if "meta" in items else got
+  monkeypatch.setattr(sample_cli, "_read_only", patched)
+
+
+def test_a_window_that_applied_to_no_layer_is_sampled_as_trained_without_one(trained, monkeypatch, capsys):
+  """An earlier trainer accepted --window 16 --window-pattern global,global,local for 2 layers (GPTConfig now
+  refuses it): no layer used the window, so sample rebuilds the model without one and says so."""
+  _with_meta(monkeypatch, lambda m: m | {"model": m["model"] | {"window": 16, "window_pattern": "global,global,local"}})
+  code, out, err = sample_main(["--ckpt-dir", str(trained[1]), "--tokens", "3"], capsys)
+  assert code == 0, err
+  assert "the checkpoint's window (16) applied to none of its 2 layers (window_pattern 'global,global,local')" in err

@@ -438,6 +438,8 @@ BAD_FLAGS = {
     "pattern-without-window": (lambda d: ["--window-pattern", "local,global"], "give window (tokens per window) too"),
     "pattern-unknown-word": (lambda d: ["--window", "8", "--window-pattern", "local,dense"],
                              "window_pattern must list 'local' or 'global' per layer"),
+    "pattern-no-local-layer": (lambda d: ["--window", "16", "--window-pattern", "global,global,local"],
+                               "window_pattern 'global,global,local' makes no layer of the 2 (n_layer) local"),
     "batch-size-0": (lambda d: ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
     "batch-size-neg": (lambda d: ["--batch-size", "-4"], "argument --batch-size: must be >= 1, got -4"),
     "seq-len-0": (lambda d: ["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
