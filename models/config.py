@@ -27,7 +27,7 @@ class GPTConfig:
   tie_embeddings: bool = True  # output projection reuses the token embedding (GPT-2)
   bias: bool = True  # biases in the Linears and LayerNorms (GPT-2); False: none (nanoGPT's train.py default)
   window: int | None = None  # sliding window: each query sees itself and the window - 1 tokens before it; None = all
-  window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled over the layers from layer 0; some layer local
+  window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled from layer 0
   max_segments: int | None = None  # packed rows: the most documents one holds (te runs B * max_segments sequences); None: seq_len
   kernels: str = "auto"  # the model's own GPU kernels (LayerNorm, bias + GELU, loss): models.kernels.KERNELS
 
