@@ -461,6 +461,16 @@ BAD_FLAGS = {
     "profile-dir-is-a-file": (lambda d: ["--steps", "20", "--profile-dir", _file(d)], "is a file; give a folder"),
     "profile-dir-unwritable": (lambda d: ["--steps", "20", "--profile-dir", "/proc/attnlayers-trace"],
                                "--profile-dir /proc/attnlayers-trace: cannot write there"),
+    "ckpt-dir-inside-data": (lambda d: ["--data", str(d), "--ckpt-dir", str(d / "ck")],
+                             f"--ckpt-dir {{d}}/ck lies in what --data {{d}} reads"),
+    "metrics-inside-data": (lambda d: ["--data", str(d), "--metrics", str(d / "sub" / "m.jsonl")],
+                            f"--metrics {{d}}/sub/m.jsonl lies in what --data {{d}} reads"),
+    "metrics-is-the-data-file": (lambda d: ["--data", _file(d), "--metrics", _file(d)],
+                                 f"--metrics {{d}}/file lies in what --data {{d}}/file reads"),
+    "metrics-matched-by-shards": (lambda d: ["--data", str(d / "*.bin"), "--metrics", str(d / "m.bin")],
+                                  f"--metrics {{d}}/m.bin lies in what --data {{d}}/*.bin reads"),
+    "profile-dir-inside-data": (lambda d: ["--steps", "20", "--data", str(d), "--profile-dir", str(d / "p")],
+                                f"--profile-dir {{d}}/p lies in what --data {{d}} reads"),
     "multihost-partial": (lambda d: ["--num-processes", "2"], "multi-host runs need all of --coordinator-address"),
     "multihost-process-id": (lambda d: ["--coordinator-address", "127.0.0.1:1", "--num-processes", "1",
                                         "--process-id", "3"], "--process-id 3 must be below --num-processes 1"),
@@ -481,6 +491,7 @@ def test_bad_flag_exits_2_before_building_anything(tmp_path, case, capsys, monke
   with pytest.raises(SystemExit) as e:
     cli.main([*TINY, *args(tmp_path)])
   err = capsys.readouterr().err
+  message = message.replace("{d}", str(tmp_path))
   assert e.value.code == 2 and message in err, err
   assert len(err.strip().splitlines()) == 1, err
 
@@ -493,6 +504,22 @@ def test_bad_flag_exits_2_within_seconds(tmp_path, case, jax_cache):
   rc, _, err = train_cli([*TINY, *args(tmp_path)], jax_cache)
   assert rc == 2 and message in err, err
   assert time.perf_counter() - t0 < 15
+
+
+def test_run_outputs_where_the_data_is_read_are_refused_before_any_folder_is_made(tmp_path, monkeypatch, capsys):
+  """A checkpoint folder inside --data (given, or the default runs/ under --data .) is refused before it is made:
+  the run's own checkpoints would be read as training text on the next start, which could then never resume."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "a.txt").write_text("x = 1\n" * 300)
+  monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("got as far as building the model"))
+  for flags, message in [([], "the run folder runs/ (where a run without --ckpt-dir keeps its checkpoints) lies in "
+                              "what --data . reads"),
+                         (["--ckpt-dir", "ck"], "--ckpt-dir ck lies in what --data . reads")]:
+    with pytest.raises(SystemExit) as e:
+      cli.main([*TINY, "--steps", "2", "--data", ".", *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "could not resume" in err, err
+  assert sorted(os.listdir(tmp_path)) == ["a.txt"]  # neither runs/ nor ck/ made
 
 
 # --- resuming with other settings

@@ -27,7 +27,7 @@ import attnlayers
 from attnlayers import spec
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, hosts, lock, loop, metrics, report, signals, undo
+from train import checkpoint, config, data, hosts, lock, loop, metrics, report, signals, undo
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -257,6 +257,12 @@ def main(argv=None) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
     jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
   fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
+  if fresh and data.reads(cfg.data, RUNS):  # as TrainConfig refuses a --ckpt-dir there, before making it
+    print(f"error: the run folder {RUNS}/ (where a run without --ckpt-dir keeps its checkpoints) lies in what "
+          f"--data {cfg.data} reads: this run's checkpoints would become training text on the next start, which "
+          f"then could not resume (other data); give --ckpt-dir a folder outside {cfg.data}, or --no-ckpt",
+          file=sys.stderr)
+    sys.exit(2)
   made = []  # the folders above it this run made (RUNS), removed with it if the run is refused
   if fresh:
     try:

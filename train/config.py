@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 import models
-from train import optim
+from train import data, optim
 
 PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
 # The settings that, with the model's architecture, seed and data, decide every step's numbers:
@@ -54,8 +54,19 @@ class TrainConfig:
     if self.profile_dir and self.steps < PROFILE_WINDOW[1]:
       first, last = PROFILE_WINDOW
       bad.append(f"profile_dir traces steps {first}-{last} of the run, but steps is {self.steps}")
+    bad += self._outputs_outside_data()
     if bad:
       raise ValueError("; ".join(bad))
+
+  def _outputs_outside_data(self) -> list[str]:
+    """Refusals for the run's outputs that lie where its data is read: the next start would read them as
+    training text, so the data would change under the checkpoint, which could then never be resumed."""
+    outputs = [("--ckpt-dir", self.ckpt_dir, "checkpoints"), ("--metrics", self.metrics, "metrics file"),
+               ("--profile-dir", self.profile_dir, "profiler trace")]
+    where = self.data or "(default: the standard library's top-level .py files)"
+    return [f"{flag} {path} lies in what --data {where} reads: this run's {what} would become training text on "
+            f"the next start, which then could not resume (other data); give {flag} a path outside it"
+            for flag, path, what in outputs if path and data.reads(self.data, path)]
 
   def trajectory(self) -> dict:
     """The TRAJECTORY settings' values, which a checkpoint records (checkpoint.check_meta)."""

@@ -30,6 +30,7 @@ cross end-of-text tokens unmasked, as only the unpacked run trained; weigh that 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import hashlib
 import os
@@ -174,6 +175,18 @@ def source(spec: str | None) -> str:
     return DEFAULT_NAME
   return os.path.join(os.path.realpath(os.path.dirname(spec)), os.path.basename(spec)) if spec.endswith(".bin") \
       else os.path.realpath(spec)
+
+
+def reads(spec: str | None, path: str) -> bool:
+  """Whether loading `spec` reads the file `path`, or files under the folder `path` (either may not exist yet):
+  what a run must not write to, or its own output becomes its data (train.config checks the run's outputs)."""
+  path = os.path.realpath(path)
+  if spec is None:  # the standard library's top-level .py files
+    return os.path.dirname(path) == os.path.realpath(sysconfig.get_paths()["stdlib"]) and path.endswith(".py")
+  if spec.endswith(".bin"):  # the files the pattern matches; a folder's files never end in .bin
+    return fnmatch.fnmatch(path, source(spec))
+  spec = os.path.realpath(spec)
+  return path == spec or path.startswith(os.path.join(spec, ""))
 
 
 def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
