@@ -187,16 +187,45 @@ def test_bad_input_exits_2_saying_what_would_work(trained, tmp_path, case, capsy
   assert "Traceback" not in err
 
 
-def test_prompts_of_a_gpt2_vocabulary_need_tiktoken():
-  with pytest.raises(ValueError, match="no tokenizer for a vocabulary of 1000"):
-    sample.encode("hi", 1000)
+def test_prompts_of_gpt2_tokens_need_tiktoken():
   try:
     import tiktoken  # noqa: F401
   except ImportError:
     with pytest.raises(ValueError, match=r"needs tiktoken \(pip install tiktoken\)"):
-      sample.encode("hi", 50304)
+      sample.encode("hi", sample.GPT2)
   else:
-    assert len(sample.encode("hi", 50304)) >= 1
+    assert len(sample.encode("hi", sample.GPT2)) >= 1
+
+
+def test_the_tokenizer_is_the_datas_and_the_vocabulary_decides_only_where_the_checkpoint_does_not_say():
+  assert sample_cli.tokenizer({"data": "/d/book.txt"}, 50304) == sample.BYTES  # text data: bytes, whatever the vocab
+  assert sample_cli.tokenizer({"data": "python-stdlib"}, 512) == sample.BYTES
+  assert sample_cli.tokenizer({"data": "/d/fineweb_*.bin"}, 50304) == sample.GPT2
+  assert sample_cli.tokenizer({}, 256) == sample.BYTES and sample_cli.tokenizer({}, 50304) == sample.GPT2
+  with pytest.raises(ValueError, match="does not record the data .* there is no tokenizer for a vocabulary of 1000: prompts"):
+    sample_cli.tokenizer({}, 1000)
+  with pytest.raises(ValueError, match=r"trained on GPT-2 BPE tokens \(ids up to 50256\), more than its "
+                                       "vocabulary of 256"):
+    sample_cli.tokenizer({"data": "/d/x_*.bin"}, 256)
+
+
+def test_ids_a_tokenizer_lacks_read_as_the_replacement_character():
+  assert sample.decode([104, 105, 300, 33], sample.BYTES) == "hi\ufffd!"
+
+
+@pytest.mark.parametrize("vocab", [512, 50304])
+def test_a_byte_model_with_a_larger_vocabulary_samples_as_bytes_as_the_trainer_did(tmp_path, vocab, capsys):
+  """--vocab-size above the data's 256 byte ids: the trainer says the extra ids never occur, its end-of-run sample
+  decodes bytes, and the command it prints samples with bytes too (it said: no tokenizer for a vocabulary of 512,
+  or took 50304 for GPT-2 BPE)."""
+  cli.main(["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--no-progress",
+            "--eval-every", "0", "--sample-tokens", "8", "--vocab-size", str(vocab), "--ckpt-dir", str(tmp_path / "run")])
+  printed = capsys.readouterr().out
+  assert f"vocab_size {vocab}: the data (python-stdlib) holds UTF-8 bytes, ids below 256" in printed
+  command = printed.strip().splitlines()[-1].strip()
+  code, out, err = sample_main(shlex.split(command)[3:] + ["--tokens", "5"], capsys)
+  assert code == 0, err
+  assert "trained on python-stdlib (UTF-8 bytes)" in out
 
 
 # --- python -m train's run folders (loop.run replaced: only the folder handling is under test)

@@ -38,7 +38,7 @@ import sysconfig
 
 import numpy as np
 
-from train import packing
+from train import packing, sample
 
 DEFAULT_NAME = "python-stdlib"  # the default data's name (not a path)
 CONTENT_MIB = 1 << 20  # bytes of each end of a file that Dataset.content hashes
@@ -49,12 +49,17 @@ SHARD_HEADER_INTS = 256
 @dataclasses.dataclass
 class Dataset:
   name: str  # for logs
-  vocab_size: int  # smallest model vocab that covers every token id
+  tokenizer: str  # what the token ids are: sample.BYTES (text) or sample.GPT2 (GPT-2 BPE shards)
   train: list[np.ndarray]  # 1-d token arrays (uint8 bytes or uint16 GPT-2 ids), each > seq_len + 1 long
   val: list[np.ndarray]  # as train, held out; windows of these give val_loss in both modes
   packed: packing.Packed | None = None  # every training document end to end (load(pack=True)); else None
   prompt_start: int = 0  # where in val[0] a sample's prompt starts: past the first newline when val[0] is cut mid-file
   files: tuple[str, ...] = ()  # the files read, in order
+
+  @property
+  def vocab_size(self) -> int:
+    """The smallest model vocabulary that covers every token id: the tokenizer's."""
+    return sample.IDS[self.tokenizer]
 
   def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, targets), each (batch_size, seq_len) int32; targets are inputs shifted by one."""
@@ -115,7 +120,7 @@ def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool) -> Datas
     raise ValueError(f"{name}: {total} bytes in {len(texts)} file(s) is too little for seq_len {seq_len}; {need}")
   # the last 10% of the bytes starts where the cut fell, often mid-word: prompts start at its first full line
   lines = np.flatnonzero(val[0][:len(val[0]) - seq_len // 2] == ord("\n")) if len(texts) < 10 else []
-  return Dataset(name, 256, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0,
+  return Dataset(name, sample.BYTES, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0,
                  files=tuple(sorted(files)))
 
 
@@ -151,7 +156,7 @@ def _shards(pattern: str, seq_len: int, pack: bool) -> Dataset:
   val = _usable([shards[p] for p in val_paths], seq_len)
   if not (packed.n_rows if pack else train) or not val:
     raise ValueError(f"--data {pattern!r}: shards too short for seq_len {seq_len}")
-  return Dataset(pattern, 50257, train, val, packed, files=tuple(paths))
+  return Dataset(pattern, sample.GPT2, train, val, packed, files=tuple(paths))
 
 
 def stdlib_files() -> list[str]:
@@ -166,6 +171,12 @@ def check_source(spec: str | None) -> None:
   if spec.endswith(".bin"):
     raise FileNotFoundError(f"--data {spec!r} matches no files")
   raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")
+
+
+def tokenizer(source: str) -> str:
+  """The tokens of the data a checkpoint records as `source` (source(), or --data as typed): GPT-2 BPE for token
+  shards (a pattern ending in .bin, as load tells them apart), else UTF-8 bytes."""
+  return sample.GPT2 if source.endswith(".bin") else sample.BYTES
 
 
 def source(spec: str | None) -> str:

@@ -202,6 +202,7 @@ def _load_data(cfg: TrainConfig) -> data.Dataset:
   if dataset.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"data {dataset.name} has token ids up to {dataset.vocab_size - 1}, more than the model's "
                      f"vocab_size {cfg.model.vocab_size}; use --vocab-size {dataset.vocab_size} or larger")
+  report.vocab_notice(cfg, dataset)
   return dataset
 
 

@@ -83,6 +83,17 @@ def notices(cfg: TrainConfig) -> None:
           f"{cfg.model.seq_len}-token context after its {prompt_len}-token prompt", flush=True)
 
 
+def vocab_notice(cfg: TrainConfig, dataset: data.Dataset) -> None:
+  """Says where the model has more token ids than the data's tokenizer gives, beyond padding to a multiple of 64
+  (GPT-2's 50257 to 50304): the extra ids never occur in the data. Not refused: later data may use them
+  (--allow-change data, e.g. GPT-2 shards after bytes), and they cost parameters, not correctness."""
+  have, need = cfg.model.vocab_size, dataset.vocab_size
+  if jax.process_index() == 0 and have > -(-need // 64) * 64:
+    print(f"vocab_size {have}: the data ({dataset.name}) holds {sample.NAMES[dataset.tokenizer]}, ids below {need}; "
+          f"ids {need}-{have - 1} never occur in it, and only add embedding and output rows (--vocab-size {need} "
+          f"fits it); samples decode {sample.NAMES[dataset.tokenizer]}", flush=True)
+
+
 def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
   """The end-of-run sample, by python -m sample's decoder (models.generate, backend auto): the start of
   the first validation text (from its first full line where it was cut mid-file) continued. Prompt and new
@@ -96,6 +107,6 @@ def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
   model = nnx.merge(s.model.graphdef, local(state["params"]), local(state["fp8"]))
   gen = generate.generate(model, [prompt], max_new_tokens=new, backend=attnlayers.backends.AUTO,
                           sampling=generate.Sampling(temperature=SAMPLE_TEMPERATURE, seed=s.cfg.seed))
-  return {"sample": sample.decode(gen.tokens[0], dataset.vocab_size),
-          "sample_prompt": sample.decode(prompt, dataset.vocab_size),
+  return {"sample": sample.decode(gen.tokens[0], dataset.tokenizer),
+          "sample_prompt": sample.decode(prompt, dataset.tokenizer),
           "sample_time_to_first_token_s": gen.time_to_first_token_s, "sample_tokens_per_s": gen.decode_tokens_per_s}

@@ -23,7 +23,7 @@ import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
 from models.generate import Sampling, generate
-from train import checkpoint, cli, sample, stepdirs
+from train import checkpoint, cli, data, sample, stepdirs
 
 DEFAULT_TOKENS = 200  # new tokens when --tokens is not given (fewer where the context has less room)
 
@@ -38,6 +38,7 @@ class Restored:
   directory: str  # the checkpoint folder
   step: int  # the step restored
   data: str  # what it was trained on
+  tokenizer: str  # its tokens: sample.BYTES or sample.GPT2 (tokenizer)
 
 
 def _read_only(directory: str, step: int, **items) -> dict:
@@ -94,6 +95,7 @@ def restore(directory: str, backend: str, step: int | None = None) -> Restored:
   step = newest_intact(directory) if step is None else step
   meta = _read_only(directory, step, meta=ocp.args.JsonRestore())["meta"]
   arch = _as_trained(checkpoint.ABSENT_MODEL | dict(meta["model"]))  # a field it predates: what its absence meant
+  tokens = tokenizer(meta, arch["vocab_size"])  # before the parameters are read
   cfg = models.GPTConfig(**arch, dtype=meta["run"]["dtype"], backend=backend,
                          # decode steps (one query) never qualify for te-fp8's FP8 core; its projections stay FP8
                          fp8_core="fp8-or-bf16" if backend == "te-fp8" else "fp8")
@@ -109,7 +111,24 @@ def restore(directory: str, backend: str, step: int | None = None) -> Restored:
     fp8 = (_read_only(directory, step, fp8=ocp.args.StandardRestore(like(fp8)))["fp8"] if saved else
            jax.jit(lambda: nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), FP8Meta))())
   model = nnx.merge(graphdef, state["state"]["params"], fp8)
-  return Restored(model, directory, step, meta.get("data", "?"))
+  return Restored(model, directory, step, meta.get("data", "?"), tokens)
+
+
+def tokenizer(meta: dict, vocab_size: int) -> str:
+  """The tokenizer of what a checkpoint's model was trained on: bytes for text, GPT-2 BPE for token shards (the
+  trainer's end-of-run sample used the same). Only where its meta does not record the data, the one its
+  vocabulary implies (sample.for_vocab)."""
+  if not isinstance(meta.get("data"), str):
+    try:
+      return sample.for_vocab(vocab_size)
+    except ValueError as e:
+      raise SampleError(f"the checkpoint does not record the data its model was trained on, so its vocabulary "
+                        f"decides, and there is {e}") from None
+  chosen = data.tokenizer(meta["data"])
+  if sample.IDS[chosen] > vocab_size:  # the trainer refuses such a model: a checkpoint it did not write
+    raise SampleError(f"the model was trained on {sample.NAMES[chosen]} (ids up to {sample.IDS[chosen] - 1}), more "
+                      f"than its vocabulary of {vocab_size}: its checkpoint contradicts itself")
+  return chosen
 
 
 def latest_run() -> str:
@@ -178,19 +197,19 @@ def run(a) -> None:
   directory = a.ckpt_dir if a.ckpt_dir is not None else latest_run()
   r = restore(directory, a.attn)
   cfg = r.model.cfg
-  prompt = sample.encode(text, cfg.vocab_size)
+  prompt = sample.encode(text, r.tokenizer)
   new = _new_tokens(a.tokens, len(prompt), cfg.seq_len)
   if a.top_k is not None and a.top_k > cfg.vocab_size:
     raise SampleError(f"--top-k {a.top_k} is more than the model's vocabulary ({cfg.vocab_size} tokens); "
                       f"use 1..{cfg.vocab_size}, or leave it out to keep every token")
-  print(f"{r.directory}: step {r.step}, trained on {r.data}; {cfg.n_layer} layers, d_model {cfg.d_model}, "
-        f"context {cfg.seq_len}; attention {a.attn}", flush=True)
+  print(f"{r.directory}: step {r.step}, trained on {r.data} ({sample.NAMES[r.tokenizer]}); {cfg.n_layer} layers, "
+        f"d_model {cfg.d_model}, context {cfg.seq_len}; attention {a.attn}", flush=True)
   gen = generate(r.model, [prompt] * a.batch, max_new_tokens=new,
                  sampling=Sampling(temperature=a.temperature, top_k=a.top_k, seed=a.seed))
   for i, tokens in enumerate(gen.tokens):
     if a.batch > 1:
       print(f"--- sample {i + 1} of {a.batch}")
-    print(sample.decode(list(prompt) + list(tokens), cfg.vocab_size))
+    print(sample.decode(list(prompt) + list(tokens), r.tokenizer))
   rate = f"{gen.decode_tokens_per_s:,.0f} tokens/s" if math.isfinite(gen.decode_tokens_per_s) else "no decode step"
   print(f"---\ntime to first token: {gen.time_to_first_token_s * 1e3:.1f} ms; decode: {rate} "
         f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s and a first run, not counted); "
