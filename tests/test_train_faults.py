@@ -630,16 +630,28 @@ def test_a_checkpoint_from_before_the_decay_rule_was_recorded_resumes_only_where
 
 @pytest.mark.parametrize("allow", [["--allow-change", "steps"], []], ids=["allowed", "not-allowed"])
 def test_steps_below_the_checkpoint_are_refused_and_nothing_is_written(ckpt, tmp_path, capsys, allow):
-  """With or without --allow-change steps the refusal says there is nothing to train (never suggesting
-  --allow-change steps, which would be refused next)."""
+  """With or without --allow-change steps the refusal says there is nothing to train, and gives the whole of what
+  trains on: --steps above the step, with --allow-change steps (the checkpoint's run had 20)."""
   before = sorted(os.listdir(ckpt))
   with pytest.raises(SystemExit) as e:
     cli.main([*TINY, "--steps", "15", "--ckpt-every", "10", "--ckpt-dir", str(ckpt), *allow,
               "--metrics", str(tmp_path / "m.jsonl")])
   err = capsys.readouterr().err
   assert e.value.code == 2 and f"{ckpt} holds step 20, past --steps 15: there is nothing to train" in err, err
-  assert "--allow-change" not in err, err
+  assert "Give --steps above 20 with --allow-change steps (its run had --steps 20) to train on from it" in err, err
   assert sorted(os.listdir(ckpt)) == before and not (tmp_path / "m.jsonl").exists()  # it made the file: removed
+  cli.main([*TINY, "--steps", "21", "--ckpt-every", "10", "--ckpt-dir", str(ckpt), "--allow-change", "steps"])
+  assert "resumed from" in capsys.readouterr().out  # the hint, followed, trains
+
+
+def test_steps_below_a_checkpoint_its_run_had_not_finished_name_its_own_steps(ckpt, capsys):
+  """Step 10 of a 20-step run: --steps 20 resumes it unchanged; other --steps take --allow-change steps."""
+  shutil.rmtree(ckpt / "20")
+  with pytest.raises(SystemExit) as e:
+    cli.main([*TINY, "--steps", "5", "--ckpt-every", "10", "--ckpt-dir", str(ckpt)])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and "holds step 10, past --steps 5: there is nothing to train. Give --steps 20 (its " \
+      "run's own) or other --steps above 10 with --allow-change steps to train on from it" in err, err
 
 
 def test_checkpoint_with_other_array_shapes_is_one_line(tmp_path):

@@ -155,10 +155,13 @@ class Checkpoints:
     newest = _on_process_0(newest)
     return None if newest < 0 else newest
 
+  def meta(self, step: int) -> dict:
+    """What step `step` recorded about its run (check_meta reads it)."""
+    return self._restore_items(stepdirs.step_path(self.directory, step), meta=ocp.args.JsonRestore())["meta"]
+
   def check_resume(self, step: int, expected_meta: dict, allow_change=()) -> dict:
     """The changes `allow_change` accepts (check_meta); ResumeMismatchError if step `step` is another run's."""
-    meta = self._restore_items(stepdirs.step_path(self.directory, step), meta=ocp.args.JsonRestore())["meta"]
-    return check_meta(self.directory, step, meta, expected_meta, allow_change)
+    return check_meta(self.directory, step, self.meta(step), expected_meta, allow_change)
 
   def restore(self, step: int, like: dict) -> dict:
     """The state saved at `step`; `like` gives its structure, shapes and shardings."""

@@ -222,15 +222,25 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict) -> tuple[int, dict]:
           "attnlayers from before attnlayers.saving was kept left stopped: delete it if it is one)")
   if step is None:
     return 0, {}
-  if step > cfg.steps:  # before the settings' check, which would offer --allow-change steps for it
+  if step > cfg.steps:  # before the settings' check, which would offer --allow-change steps for these --steps
     raise checkpoint.ResumeMismatchError(
-        f"{ckpts.directory} holds step {step}, past --steps {cfg.steps}: there is nothing to train. Give --steps "
-        f"above {step} to train on from it, or sample from it: python -m sample --ckpt-dir {ckpts.directory}")
+        f"{ckpts.directory} holds step {step}, past --steps {cfg.steps}: there is nothing to train. "
+        f"{_steps_on(step, ckpts.meta(step).get('run', {}).get('steps'))} to train on from it, or sample from it: "
+        f"python -m sample --ckpt-dir {ckpts.directory}")
   changes = ckpts.check_resume(step, meta, cfg.allow_change)
   for k, c in changes.items():  # data_content: accepted with --allow-change data
     name = "data: content " if k == "data_content" else f"{k}: "
     print(f"--allow-change {name}{c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
   return step, changes
+
+
+def _steps_on(step: int, planned) -> str:
+  """The --steps that train on from a checkpoint at `step` whose run had --steps `planned` (None: not recorded):
+  its own, unchanged, where it stopped before them; any other above `step` with --allow-change steps."""
+  if isinstance(planned, int) and planned > step:
+    return f"Give --steps {planned} (its run's own) or other --steps above {step} with --allow-change steps"
+  had = f" (its run had --steps {planned})" if isinstance(planned, int) else ""
+  return f"Give --steps above {step} with --allow-change steps{had}"
 
 
 def _finite(s: Session, loss: float, step: int) -> float:
