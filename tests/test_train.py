@@ -306,12 +306,31 @@ def _bad_shard(d):
     (lambda d: str(d / "missing.txt"), "no such file or folder"),
     (_file("empty.txt", b""), "is empty"),
     (_empty_folder, "empty folder"),
-    (_file("short.txt", b"hi"), "too little for seq_len"),
+    (_file("short.txt", b"hi"), "too little for --seq-len"),
     (_bad_shard, "not an llm.c token shard: header magic 0, expected 20240520"),
 ], ids=["missing", "empty-file", "empty-folder", "too-short", "bad-shard"])
 def test_bad_data_is_a_clear_error(tmp_path, make, message):
   rc, _, err = train_cli(*SMALL, "--steps", "1", "--data", make(tmp_path))
   assert rc == 2 and message in err, err
+
+
+def test_too_little_data_names_the_held_out_part_and_what_would_fit(tmp_path):
+  """A file keeps its last 10% for validation: 1001 bytes hold out 101, too few for a window of 129 + 1."""
+  (tmp_path / "a.txt").write_bytes(b"x" * 1001)
+  with pytest.raises(ValueError) as e:
+    data.load(str(tmp_path / "a.txt"), 128)
+  assert "1001 bytes in 1 file(s) is too little for --seq-len 128: validation holds out the last 10% of the bytes, " \
+         "101 here, and needs more than 129" in str(e.value), e.value
+  assert "Give at least 1291 bytes in all, or --seq-len 99 or less" in str(e.value), e.value
+  data.load(str(tmp_path / "a.txt"), 99)  # as it says
+  (tmp_path / "a.txt").write_bytes(b"x" * 1291)
+  data.load(str(tmp_path / "a.txt"), 128)
+  for i in range(10):  # ten files: split by file, the 10th (sorted) held out
+    (tmp_path / "d").mkdir(exist_ok=True)
+    (tmp_path / "d" / f"{i}.txt").write_bytes(b"x" * (500 if i < 9 else 60))
+  with pytest.raises(ValueError, match=r"validation holds out every 10th file \(sorted\), and none is longer than "
+                                       r"129 bytes \(the longest has 60\).*Give longer files, or --seq-len 58 or less"):
+    data.load(str(tmp_path / "d"), 128)
 
 
 def write_shard(path, tokens):

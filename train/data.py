@@ -33,6 +33,7 @@ import dataclasses
 import fnmatch
 import glob
 import hashlib
+import itertools
 import os
 import sysconfig
 
@@ -111,17 +112,41 @@ def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool) -> Datas
     train, val = [stream[:cut]], [stream[cut:]]
     docs = np.split(stream[:cut], [c for c in np.cumsum([len(t) for t in texts]) if c < cut])  # the files, cut
   packed = packing.from_texts(docs, seq_len) if pack else None
+  if not (packed.n_rows if pack else _usable(train, seq_len)) or not _usable(val, seq_len):
+    raise ValueError(_too_little(name, texts, train, val, seq_len, packed))
   train, val = _usable(train, seq_len), _usable(val, seq_len)
-  if not (packed.n_rows if pack else train) or not val:
-    total = sum(len(t) for t in texts)
-    need = (f"training needs more than {seq_len} bytes in all and validation (unpacked windows in both modes) a "
-            f"text longer than {seq_len + 1} bytes" if pack else
-            f"train and validation each need a text longer than {seq_len + 1} bytes")
-    raise ValueError(f"{name}: {total} bytes in {len(texts)} file(s) is too little for seq_len {seq_len}; {need}")
   # the last 10% of the bytes starts where the cut fell, often mid-word: prompts start at its first full line
   lines = np.flatnonzero(val[0][:len(val[0]) - seq_len // 2] == ord("\n")) if len(texts) < 10 else []
   return Dataset(name, sample.BYTES, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0,
                  files=tuple(sorted(files)))
+
+
+def _too_little(name: str, texts: list, train: list, val: list, seq_len: int, packed: packing.Packed | None) -> str:
+  """Why `texts`, split into `train` and `val` (_split_bytes), are too short for seq_len, with the numbers, and what
+  would fit: validation (unpacked in both modes) and unpacked training need a text longer than a window of
+  seq_len + 1 bytes; packed training (`packed`) needs a row, seq_len + 1 bytes of its one stream."""
+  by_file, window = len(texts) >= 10, seq_len + 1
+  longest = lambda ts: max((len(t) for t in ts), default=0)
+  problems = []
+  if longest(val) <= window:
+    problems.append(f"validation holds out every 10th file (sorted), and none is longer than {window} bytes (the "
+                    f"longest has {longest(val)})" if by_file else
+                    f"validation holds out the last 10% of the bytes, {longest(val)} here, and needs more than {window}")
+  stream = len(packed.streams[0]) if packed else 0  # the training documents, each closed by a separator
+  if packed and not packed.n_rows:
+    problems.append(f"packed training needs {window} bytes in all, separators included, and has {stream}")
+  elif not packed and longest(train) <= window:
+    problems.append(f"no training file is longer than {window} bytes (the longest has {longest(train)})" if by_file
+                    else f"training keeps the first 90%, {longest(train)} bytes, and needs more than {window}")
+  fit = min(longest(val) - 2, stream - 1 if packed else longest(train) - 2)  # the largest --seq-len that works
+  if by_file:
+    more = "longer files"
+  else:  # the fewest bytes whose last 10% (as cut above) is longer than a window; the first 90% then is too
+    need = next(n for n in itertools.count(10 * window - 10) if n - int(n * 0.9) > window)
+    more = f"at least {need} bytes in all"
+  total = sum(len(t) for t in texts)
+  return (f"{name}: {total} bytes in {len(texts)} file(s) is too little for --seq-len {seq_len}: "
+          f"{'; '.join(problems)}. Give {more}" + (f", or --seq-len {fit} or less" if fit >= 1 else ""))
 
 
 def read_shard(path: str) -> np.ndarray:
