@@ -454,7 +454,8 @@ BAD_FLAGS = {
     "lr-nan": (lambda d: ["--lr", "nan"], "argument --lr: must be a finite number > 0, got nan"),
     "warmup-neg": (lambda d: ["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
     "profile-too-few-steps": (lambda d: ["--steps", "10", "--profile-dir", str(d / "p")],
-                              "profile_dir traces steps 11-15 of the run, but steps is 10"),
+                              "--profile-dir traces steps 11-15 of the run, but --steps is 10: give --steps 15 or "
+                              "more, or leave out --profile-dir"),
     "ckpt-dir-is-a-file": (lambda d: ["--ckpt-dir", _file(d)], "not a folder (a file is in the way)"),
     "ckpt-dir-read-only": (lambda d: ["--ckpt-dir", _read_only_dir(d)], "cannot write there"),
     "metrics-is-a-folder": (lambda d: ["--metrics", str(d)], "is a folder; give a file path"),

@@ -53,7 +53,8 @@ class TrainConfig:
     bad = [f"{name} must be {rule}, got {getattr(self, name)!r}" for name, ok, rule in rules if not ok]
     if self.profile_dir and self.steps < PROFILE_WINDOW[1]:
       first, last = PROFILE_WINDOW
-      bad.append(f"profile_dir traces steps {first}-{last} of the run, but steps is {self.steps}")
+      bad.append(f"--profile-dir traces steps {first}-{last} of the run, but --steps is {self.steps}: give --steps "
+                 f"{last} or more, or leave out --profile-dir")
     bad += self._outputs_outside_data()
     if bad:
       raise ValueError("; ".join(bad))
