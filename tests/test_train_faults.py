@@ -472,6 +472,15 @@ BAD_FLAGS = {
                                   f"--metrics {{d}}/m.bin lies in what --data {{d}}/*.bin reads"),
     "profile-dir-inside-data": (lambda d: ["--steps", "20", "--data", str(d), "--profile-dir", str(d / "p")],
                                 f"--profile-dir {{d}}/p lies in what --data {{d}} reads"),
+    "ckpt-every-with-no-ckpt": (lambda d: ["--no-ckpt", "--ckpt-every", "5"],
+                                "--ckpt-every applies to checkpoints, and --no-ckpt keeps none: leave out "
+                                "--ckpt-every, or --no-ckpt"),
+    "allow-change-with-no-ckpt": (lambda d: ["--no-ckpt", "--ckpt-every", "5", "--allow-change", "steps"],
+                                  "--ckpt-every and --allow-change apply to checkpoints, and --no-ckpt keeps none"),
+    "allow-change-without-ckpt-dir": (lambda d: ["--allow-change", "steps"],
+                                      "--allow-change applies to a resume from --ckpt-dir; without it the run starts "
+                                      "in a new folder of its own (runs/train-YYYYmmdd-HHMMSS) with nothing to "
+                                      "resume: give --ckpt-dir"),
     "multihost-partial": (lambda d: ["--num-processes", "2"], "multi-host runs need all of --coordinator-address"),
     "multihost-process-id": (lambda d: ["--coordinator-address", "127.0.0.1:1", "--num-processes", "1",
                                         "--process-id", "3"], "--process-id 3 must be below --num-processes 1"),

@@ -120,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
   keep.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: a new "
                                        f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
   keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
-  p.add_argument("--ckpt-every", type=one, default=100,
-                 help="steps between checkpoints (the last step is always saved)")
+  p.add_argument("--ckpt-every", type=one, help="steps between checkpoints (the last step is always saved); default: "
+                 f"{config.TrainConfig.ckpt_every}")
   changeable = [k for k in config.TRAJECTORY if k not in ("weight_decay", "clip")] + [config.DATA]  # those two have no flag
   p.add_argument("--allow-change", type=_setting, choices=changeable, action="append", default=[],
                  metavar="SETTING", help="let a resume change this setting from the checkpoint's (one of "
@@ -224,8 +224,26 @@ def _flag_hint(e: Exception, a: argparse.Namespace) -> str:
   return ""
 
 
+def _checkpoint_flags(a: argparse.Namespace) -> str | None:
+  """Why flags about checkpoints would be ignored, or None: --no-ckpt keeps none, and without --ckpt-dir a run
+  starts in a new folder, with nothing to resume."""
+  given = [flag for flag, value in (("--ckpt-every", a.ckpt_every), ("--allow-change", a.allow_change or None))
+           if value is not None]
+  if a.no_ckpt and given:
+    return (f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to checkpoints, and --no-ckpt keeps "
+            f"none: leave out {' and '.join(given)}, or --no-ckpt")
+  if a.allow_change and a.ckpt_dir is None:
+    return (f"--allow-change applies to a resume from --ckpt-dir; without it the run starts in a new folder of its "
+            f"own ({RUNS}/train-YYYYmmdd-HHMMSS) with nothing to resume: give --ckpt-dir the folder to resume, or "
+            "leave out --allow-change")
+  return None
+
+
 def main(argv=None) -> None:
   a = parser().parse_args(argv)
+  if (ignored := _checkpoint_flags(a)) is not None:
+    print(f"error: {ignored}", file=sys.stderr)
+    sys.exit(2)
   try:
     model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
                           n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype, bias=a.bias,
@@ -233,7 +251,9 @@ def main(argv=None) -> None:
                           kernels=a.kernels)
     cfg = config.TrainConfig(
         model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
-        ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every, eval_every=a.eval_every, log_every=a.log_every,
+        ckpt_dir=a.ckpt_dir,
+        ckpt_every=config.TrainConfig.ckpt_every if a.ckpt_every is None else a.ckpt_every,
+        eval_every=a.eval_every, log_every=a.log_every,
         metrics=a.metrics, sample_tokens=_sample_tokens(a.sample_tokens, model.seq_len), peak_tflops=a.peak_tflops,
         progress=a.progress,
         profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack)
