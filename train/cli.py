@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shlex
 import sys
@@ -25,6 +24,7 @@ import jax
 
 import attnlayers
 from attnlayers import spec
+from attnlayers.cli import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
 from train import checkpoint, config, data, hosts, lock, loop, metrics, report, signals, undo
@@ -32,45 +32,6 @@ from train import checkpoint, config, data, hosts, lock, loop, metrics, report, 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
 SAMPLE_TOKENS = 200  # new tokens the end-of-run sample has by default, where they fit
-
-
-class Parser(argparse.ArgumentParser):
-  """Exits with code 2 and one line on a bad flag."""
-
-  def error(self, message: str):
-    print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
-    sys.exit(2)
-
-
-class Help(argparse.ArgumentDefaultsHelpFormatter):
-  """Shows each flag's default, except where there is none to show (the help says what applies)."""
-
-  def _get_help_string(self, action):
-    if action.default is None or action.default == [] or isinstance(action.default, bool):
-      return action.help
-    return super()._get_help_string(action)
-
-
-def int_at_least(low: int):
-  def parse(text: str) -> int:
-    try:
-      value = int(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < low:
-      raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-    return value
-  return parse
-
-
-def _positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-  if not (math.isfinite(value) and value > 0):
-    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-  return value
 
 
 def _setting(text: str) -> str:
@@ -111,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
                       "either way; default: --no-pack, windows cut out of single texts")
   p.add_argument("--batch-size", type=one, default=16, help="global batch, split over every device")
   p.add_argument("--steps", type=one, default=1000, help="optimizer steps in all, counting those before a resume")
-  p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (warm-up, then cosine decay)")
+  p.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (warm-up, then cosine decay)")
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
   p.add_argument("--data", help="text file, folder of text, or 'DIR/*.bin' token shards; default: "
@@ -134,7 +95,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--sample-tokens", type=zero, help="tokens to sample at the end, after a prompt from the validation "
                  f"text; at most three quarters of --seq-len fit (the prompt takes the rest); 0: none; default: "
                  f"{SAMPLE_TOKENS}, or as many as fit")
-  p.add_argument("--peak-tflops", type=_positive_float, help="device bf16 peak for MFU; default: the built-in table")
+  p.add_argument("--peak-tflops", type=positive_float, help="device bf16 peak for MFU; default: the built-in table")
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="hide the progress bar (shown by default)")
   first, last = config.PROFILE_WINDOW

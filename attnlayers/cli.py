@@ -1,0 +1,59 @@
+"""Flag parsing that every command of this project shares: python -m attnlayers, train, sample, benchmarks.*.
+
+A bad flag is one line on stderr and exit code 2, before any work: Parser.error prints which flag and why,
+the types below say the bound that would work, Help shows each flag's default. It lives in the library
+package because `python -m attnlayers` is one of those commands and the library depends on nothing else here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+  """Exits with code 2 and one line on a bad flag."""
+
+  def error(self, message: str):
+    print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+class Help(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows each flag's default, except where there is none to show (the help says what applies)."""
+
+  def _get_help_string(self, action):
+    if action.default is None or action.default == [] or isinstance(action.default, bool):
+      return action.help
+    return super()._get_help_string(action)
+
+
+def description(doc: str) -> str:
+  """A module docstring's first paragraph as one line, for argparse's description (its first line alone may
+  stop mid-sentence)."""
+  return " ".join(doc.split("\n\n")[0].split())
+
+
+def int_at_least(low: int):
+  """argparse type of an int flag that must be >= low."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+  return parse
+
+
+def positive_float(text: str) -> float:
+  """argparse type of a finite number > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+  if not (math.isfinite(value) and value > 0):
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+  return value
