@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attnlayers
-from attnlayers import backends
+from attnlayers import backends, cli
 
 
 FUSED = re.compile(r'custom_call_target="([^"]*(?:fmha|fused_attn|FusedAttn)[^"]*)"')
@@ -55,18 +55,33 @@ def fused_kernels(backend: str, q, k, v, causal: bool) -> list[str]:
   return sorted(set(FUSED.findall(jax.jit(step).lower(q, k, v).compile().as_text())))
 
 
-def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m attnlayers", description=__doc__.splitlines()[0])
-  p.add_argument("--batch", type=int, default=2)
-  p.add_argument("--seq-len", type=int, default=256)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--kv-heads", type=int, default=2)
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
-  p.add_argument("--no-causal", dest="causal", action="store_false")
+def parser() -> argparse.ArgumentParser:
+  p = cli.Parser(prog="python -m attnlayers", description=cli.description(__doc__), formatter_class=cli.Help)
+  one = cli.int_at_least(1)
+  p.add_argument("--batch", type=one, default=2, help="B, rows of the call")
+  p.add_argument("--seq-len", type=one, default=256, help="T = S, query and key positions per row")
+  p.add_argument("--heads", type=one, default=8, help="N, query heads")
+  p.add_argument("--kv-heads", type=one, default=2,
+                 help="K, key/value heads; must divide --heads (K = N: MHA, 1 < K < N: GQA, K = 1: MQA)")
+  p.add_argument("--head-dim", type=one, default=64, help="H, features per head")
+  p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="of q, k and v")
+  p.add_argument("--no-causal", dest="causal", action="store_false",
+                 help="every query attends every key; default: causal (query i attends keys j <= i)")
   p.add_argument("--show-kernels", action="store_true",
                  help="list the fused-attention custom calls in each backend's compiled forward and backward HLO")
+  return p
+
+
+def main(argv=None) -> None:
+  p = parser()
   a = p.parse_args(argv)
+  q = jax.ShapeDtypeStruct((a.batch, a.seq_len, a.heads, a.head_dim), a.dtype)  # (B, T, N, H)
+  kv = jax.ShapeDtypeStruct((a.batch, a.seq_len, a.kv_heads, a.head_dim), a.dtype)  # (B, S, K, H)
+  try:
+    attnlayers.explain(backends.AUTO, q, kv, kv, is_causal=a.causal)  # the library's own checks; runs nothing
+  except ValueError as e:
+    p.error(f"these flags make a call attnlayers refuses (B --batch, T and S --seq-len, N --heads, K --kv-heads, "
+            f"H --head-dim): {e}")
   q, k, v = inputs(a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim, a.dtype)
   print(f"jax {jax.__version__} on {jax.devices()[0]}; q {q.shape} k/v {k.shape} {a.dtype} causal={a.causal}; "
         "reference: float64 numpy (attnlayers.__main__.reference)")
