@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import platform
+import sys
 import time
 
 import jax
@@ -37,6 +38,26 @@ def positive_int(text: str) -> int:
   if value < 1:
     raise argparse.ArgumentTypeError(f"must be an int >= 1; got {value}")
   return value
+
+
+def refuse_unless_runnable(plans: dict, why: str) -> None:
+  """Exits with code 2 and one line where a kernel a benchmark would time cannot run here.
+
+  plans: {label: attnlayers.Plan or a list of them} (label: the kernel, with the flag or shape it comes from); every
+  refused one is named with its reasons (labels with the same reasons share them; the library's `use backend=...`
+  hints, which name Python arguments, are left out), then `why`: what the benchmark needs, where it runs. Called
+  before any timing and before --out is made, so a machine that cannot run the benchmark costs nothing.
+  """
+  refused: dict[tuple[str, ...], list[str]] = {}
+  for label, group in plans.items():
+    reasons = dict.fromkeys(r.split(" (use backend=")[0] for p in (group if isinstance(group, list) else [group])
+                            for rs in p.unmet.values() for r in rs)
+    if reasons:
+      refused.setdefault(tuple(reasons), []).append(label)
+  if refused:
+    said = ". ".join(f"{', '.join(labels)}: {'; '.join(reasons)}" for reasons, labels in refused.items())
+    print(f"error: {said}. {why}", file=sys.stderr)
+    sys.exit(2)
 
 
 def time_fn(fn, *args, warmup: int = 3, calls: int = 20) -> Timing:

@@ -158,6 +158,17 @@ def ratio(rows, a, b, pass_):
   return tb / ta if ta and tb else None
 
 
+def kernel_plans(core, layer) -> dict:
+  """{label: plan} of the attention each core and layer program runs (causal, bf16; te-fp8 with its FP8 core)."""
+  B, T, D, N = layer
+  shapes = {f"--core {' '.join(map(str, core))}": tuple(core), f"--layer {' '.join(map(str, layer))}": (B, T, N, D // N)}
+  plans = {}
+  for where, shape in shapes.items():
+    q = jax.ShapeDtypeStruct(shape, BF16)  # (B, T, N, H)
+    plans |= {f"{b} at {where}": attnlayers.explain(b, q, q, q, is_causal=True) for b in ("cudnn", "te", "te-fp8")}
+  return plans
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.fp8", description=__doc__.splitlines()[0])
   p.add_argument("--core", nargs=4, type=int, default=[2, 8192, 32, 128], metavar=("B", "T", "N", "H"))
@@ -166,6 +177,11 @@ def main(argv=None) -> None:
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
+  D, N = a.layer[2:]
+  if D % N:
+    p.error(f"--layer B T D N: D ({D}) must be a multiple of N ({N}), the head dim being D / N")
+  common.refuse_unless_runnable(kernel_plans(a.core, a.layer),
+                                "This benchmark times each of these kernels itself: run it where they all run")
   env = common.environment() | {"matmul_bf16_tflops": common.matmul_tflops(), "matmul_n": common.yardstick_n(),
                                 "copy_gb_per_s": decode_report.copy_gb_per_s(2**31)}
   print(env, flush=True)

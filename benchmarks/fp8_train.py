@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 import models
+from models import plans
 from benchmarks import common, report
 from train import loop, metrics
 
@@ -64,6 +65,14 @@ def main(argv=None) -> None:
   p.add_argument("--log-every", type=int, default=10)
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
+  try:
+    configs = {backend: config(backend, a) for backend in (a.baseline, "te-fp8")}
+  except ValueError as e:  # a model the flags describe cannot be built
+    p.error(str(e))
+  common.refuse_unless_runnable(
+      {("--baseline " if b == a.baseline else "") + b: plans.attention_plans(cfg, a.batch_size, cfg.seq_len)
+       for b, cfg in configs.items()},
+      "This benchmark trains the model with each of these kernels: run it where they both run")
   os.makedirs(a.out, exist_ok=True)
   rows = run(a.baseline, a) + run("te-fp8", a)
   bf16 = {r["step"]: r["loss"] for r in rows if r["backend"] == a.baseline}

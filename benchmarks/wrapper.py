@@ -14,7 +14,6 @@ import argparse
 import collections
 import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -87,14 +86,10 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   B, N, H = a.shape
-  for backend in a.backends:  # every kernel this compares must run here: say why not, before any work
-    q = jax.ShapeDtypeStruct((B, min(a.seqs), N, H), jnp.bfloat16)  # (B, T, N, H)
-    plan = attnlayers.explain(backend, q, q, q, is_causal=True)
-    if not plan.ok:
-      reasons = "; ".join(r.split(" (use backend=")[0] for rs in plan.unmet.values() for r in rs)
-      print(f"error: --backends {backend}: {reasons}. This benchmark times the {backend} kernel itself, against "
-            "attnlayers.attention: run it where that kernel runs", file=sys.stderr)
-      sys.exit(2)
+  q = jax.ShapeDtypeStruct((B, min(a.seqs), N, H), jnp.bfloat16)  # (B, T, N, H)
+  common.refuse_unless_runnable(  # every kernel this compares must run here: say why not, before any work
+      {f"--backends {b}": attnlayers.explain(b, q, q, q, is_causal=True) for b in a.backends},
+      "This benchmark times each kernel itself, against attnlayers.attention: run it where the kernel runs")
   rows = [measure(b, T, c, ps, N, H, B, a.rounds, a.calls) for b in a.backends for T in a.seqs
           for c in (False, True) for ps in ("fwd", "fwd+bwd")]
   env = common.environment()

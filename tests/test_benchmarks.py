@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import models
-from benchmarks import common, decode, layer, packing, steady, wrapper
+from benchmarks import common, decode, fp8, fp8_train, layer, packing, steady, wrapper
 from tests import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -306,6 +306,30 @@ def test_wrapper_refuses_in_one_line_where_its_kernel_cannot_run(capsys):
   err = capsys.readouterr().err
   assert err.startswith("error: --backends cudnn: cuDNN fused attention needs an NVIDIA GPU") and "backend=" not in err
   assert len(err.strip().splitlines()) == 1, err
+
+
+def _no_timing(*args, **kwargs):
+  raise AssertionError("timed something before refusing")
+
+
+@pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="on a GPU the kernels run: nothing to refuse")
+@pytest.mark.parametrize("main, args, named", [
+    (fp8.main, [], ["cudnn at --core 2 8192 32 128", "te at --core", "te-fp8 at --layer 4 4096 4096 32"]),
+    (fp8_train.main, ["--steps", "2"], ["--baseline te", "te-fp8"]),
+], ids=["fp8", "fp8_train"])
+def test_fp8_benchmarks_refuse_in_one_line_before_any_timing_or_folder(main, args, named, tmp_path, capsys,
+                                                                       monkeypatch):
+  """Each names every kernel it would time that cannot run here, and why, as benchmarks.wrapper does; nothing is
+  timed (the matmul yardstick came first) and --out is not made."""
+  monkeypatch.setattr(common, "time_fn", _no_timing)
+  out = tmp_path / "out"
+  with pytest.raises(SystemExit) as e:
+    main([*args, "--out", str(out)])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+  assert "needs an NVIDIA GPU" in err and "backend=" not in err and all(n in err for n in named), err
+  assert not out.exists()
 
 
 @pytest.mark.skipif(jax.devices()[0].platform == "gpu", reason="the GPU yardstick is 8192^3")
