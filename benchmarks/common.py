@@ -10,7 +10,6 @@ and their convention: benchmarks.flops.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import platform
 import sys
@@ -27,17 +26,6 @@ class Timing:
   p10_ms: float
   p90_ms: float
   calls: int
-
-
-def positive_int(text: str) -> int:
-  """argparse type of a count or size flag: an int >= 1, else the flag's one-line error."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"must be an int >= 1; got {text!r}") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be an int >= 1; got {value}")
-  return value
 
 
 def refuse_unless_runnable(plans: dict, why: str) -> None:

@@ -31,7 +31,6 @@ Writes decode.json, decode.csv, decode.md and PNG plots to --out.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 
@@ -41,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 import attnlayers
+from attnlayers import cli
 import models
 from benchmarks import common, decode_report
 from models import generate
@@ -243,7 +243,7 @@ def sweep(s: dict, deadline: float | None, copy_gbps: float) -> list[dict]:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.decode", description=cli.description(__doc__))
   p.add_argument("--quick", action="store_true", help="the tiny preset on a CPU-sized subset (what CI runs)")
   p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, help=f"default {' '.join(FULL['backends'])}")
   p.add_argument("--kv-heads", type=int, nargs="+", help="K values; each divides the preset's n_head (default 12 4 1)")

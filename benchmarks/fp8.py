@@ -19,7 +19,6 @@ peak). Writes fp8.json and fp8.md to --out.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import jax
@@ -27,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import attnlayers
+from attnlayers import cli
 from attnlayers.backends import _fp8_core, _fp8_delayed
 from attnlayers.fp8 import FP8Meta, FP8Recipe, TEFp8DotGeneral
 from attnlayers.nnx import MultiHeadAttention
@@ -170,7 +170,7 @@ def kernel_plans(core, layer) -> dict:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.fp8", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.fp8", description=cli.description(__doc__))
   p.add_argument("--core", nargs=4, type=int, default=[2, 8192, 32, 128], metavar=("B", "T", "N", "H"))
   p.add_argument("--layer", nargs=4, type=int, default=[4, 4096, 4096, 32], metavar=("B", "T", "D", "N"))
   p.add_argument("--calls", type=int, default=20)

@@ -11,13 +11,13 @@ fp8_train.json, fp8_train.md and fp8_train.png to --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import numpy as np
 
 import models
+from attnlayers import cli
 from models import plans
 from benchmarks import common, report
 from train import loop, metrics
@@ -51,7 +51,7 @@ def run(backend: str, a) -> list[dict]:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.fp8_train", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.fp8_train", description=cli.description(__doc__))
   p.add_argument("--preset", choices=list(models.PRESETS), default="tiny",
                  help=f"model shape (tiny: widened to {SMALL} unless given)")
   p.add_argument("--baseline", choices=["te", "cudnn"], default="te", help="the bf16 run te-fp8 is compared with")

@@ -20,7 +20,6 @@ subset.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -31,6 +30,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import attnlayers
+from attnlayers import cli
 from attnlayers.fp8 import FP8Recipe
 from attnlayers.nnx import MultiHeadAttention
 from benchmarks import common, flops, packing, report, wrapper
@@ -276,19 +276,20 @@ def wrapper_overhead(rows: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.layer", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.layer", description=cli.description(__doc__))
+  one = cli.int_at_least(1)
   p.add_argument("--quick", action="store_true", help="a CPU-sized subset (what CI runs)")
   p.add_argument("--sections", nargs="+", default=["default", "seq", "batch", "heads", "headdim"],
                  choices=["default", "seq", "batch", "heads", "headdim", *packing.SECTIONS],
                  help=f"default: all but {' and '.join(packing.SECTIONS)} (benchmarks.packing: packed documents, "
                       "causal sliding windows; each row's ratio is to a baseline timed in the same run)")
-  p.add_argument("--seqs", type=common.positive_int, nargs="+",
+  p.add_argument("--seqs", type=one, nargs="+",
                  help="T values of the seq section (default 64 ... 16384)")
-  p.add_argument("--batches", type=common.positive_int, nargs="+",
+  p.add_argument("--batches", type=one, nargs="+",
                  help="B values of the batch sections (default 1 ... 16)")
   p.add_argument("--levels", nargs="+", choices=["core", "layer"], default=["core", "layer"],
                  help="core: attnlayers.attention; layer: the nnx layer, projections + core")
-  p.add_argument("--calls", type=common.positive_int, help="timed calls per row (default 20; 3 with --quick)")
+  p.add_argument("--calls", type=one, help="timed calls per row (default 20; 3 with --quick)")
   p.add_argument("--backends", nargs="+", choices=[b for b, _ in BACKEND_DTYPES] + list(RAW),
                  help="only these backends' rows (default: every one)")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")

@@ -19,7 +19,6 @@ nvidia-smi samples taken during it (benchmarks.clocks), and the steps' model FLO
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import attnlayers
+from attnlayers import cli
 import models
 from benchmarks import clocks, common, report, trace, train
 from train import loop
@@ -93,7 +93,7 @@ def matmuls(n: int, sustain_calls: int) -> list[dict]:
 
 
 def main(argv=None) -> list[dict]:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.steady", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.steady", description=cli.description(__doc__))
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="cudnn")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
   p.add_argument("--seq-len", type=int, help="default: the preset's context (1024 for gpt2-small)")

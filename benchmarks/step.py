@@ -16,7 +16,6 @@ same run says what those options buy.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -27,6 +26,7 @@ import optax
 from flax import nnx
 
 import attnlayers
+from attnlayers import cli
 import models
 from benchmarks import common
 from attnlayers.fp8 import FP8Meta
@@ -37,7 +37,7 @@ from train.loop import STEP_COMPILER_OPTIONS, _loss
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.step", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.step", description=cli.description(__doc__))
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
   p.add_argument("--seq-len", type=int, help="default: the preset's context (1024 for gpt2-small)")

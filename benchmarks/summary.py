@@ -6,11 +6,11 @@ timing), and lays out the headline tables next to the plots, with the versions a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 
+from attnlayers import cli
 from benchmarks import report
 
 
@@ -168,7 +168,7 @@ def _included(directory: str, rel: str, name: str, title: str) -> str:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.summary", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.summary", description=cli.description(__doc__))
   p.add_argument("directory", nargs="?", default="benchmarks/results/h200")
   p.add_argument("--out", default="benchmarks/RESULTS.md")
   p.add_argument("--note", help="a line to add under the header, e.g. versions the JSON files do not record")

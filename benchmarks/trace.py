@@ -21,13 +21,15 @@ optimized-HLO dump of the same run (--xla_dump_to) says what each instruction co
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import gzip
 import json
 import os
 import re
+
+from attnlayers import cli
+
 
 FAMILIES = [  # first match wins
     ("attention (cuDNN/flash)", re.compile(r"cudnn|fmha|flash|fprop|dgrad|sdpa", re.I)),
@@ -121,7 +123,7 @@ def op_kind(event: dict) -> str:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.trace", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.trace", description=cli.description(__doc__))
   p.add_argument("trace", help="perfetto_trace.json.gz, or a folder holding one")
   p.add_argument("--steps", type=int, default=5, help="steps in the trace, for per-step figures")
   a = p.parse_args(argv)

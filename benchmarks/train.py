@@ -13,13 +13,13 @@ reason.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 
 import attnlayers
+from attnlayers import cli
 import models
 from benchmarks import clocks, common, flops, report
 from train import metrics
@@ -115,15 +115,16 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.train", description=cli.description(__doc__))
+  one = cli.int_at_least(1)
   p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"],
                  help="one training run each; default: naive xla cudnn te te-fp8")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small", help="default: gpt2-small")
-  p.add_argument("--seq-len", type=common.positive_int, nargs="+",
+  p.add_argument("--seq-len", type=one, nargs="+",
                  help="default: the preset's context (1024 for gpt2-small)")
-  p.add_argument("--batch-size", type=common.positive_int, nargs="+", default=[32],
+  p.add_argument("--batch-size", type=one, nargs="+", default=[32],
                  help="global batch; one value for every --seq-len, or one per --seq-len; default: 32")
-  p.add_argument("--steps", type=common.positive_int, default=40,
+  p.add_argument("--steps", type=one, default=40,
                  help="steps per run (default 40); the rate is the median of the reported intervals after the first")
   p.add_argument("--packing", nargs="+", choices=PACKINGS, default=["unpacked"],
                  help="unpacked windows, packed documents (train --pack), or both side by side; with packed, every "
@@ -133,7 +134,7 @@ def main(argv=None) -> None:
                       "(train --no-bias, nanoGPT's train.py default), or both side by side; default: with")
   p.add_argument("--data", help="train --data (default: the embedded corpus)")
   p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
-  p.add_argument("--matmul-n", type=common.positive_int,
+  p.add_argument("--matmul-n", type=one,
                  help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, 512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)

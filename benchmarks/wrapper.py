@@ -10,7 +10,6 @@ Writes wrapper.json and wrapper.md to --out.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attnlayers
+from attnlayers import cli
 from benchmarks import common, report
 
 
@@ -77,7 +77,7 @@ def measure(backend, T, causal, pass_, N, H, B, rounds, calls) -> dict:
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.wrapper", description=__doc__.splitlines()[0])
+  p = cli.Parser(prog="python -m benchmarks.wrapper", description=cli.description(__doc__))
   p.add_argument("--backends", nargs="+", choices=list(RAW), default=list(RAW))
   p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384])
   p.add_argument("--shape", type=int, nargs=3, default=[2, 16, 128], metavar=("B", "N", "H"))

@@ -354,14 +354,14 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
 
 
 @pytest.mark.parametrize("module, args, message", [
-    ("benchmarks.layer", ["--quick", "--seqs", "0"], "--seqs: must be an int >= 1; got 0"),
-    ("benchmarks.layer", ["--quick", "--calls", "0"], "--calls: must be an int >= 1; got 0"),
+    ("benchmarks.layer", ["--quick", "--seqs", "0"], "--seqs: must be >= 1, got 0"),
+    ("benchmarks.layer", ["--quick", "--calls", "0"], "--calls: must be >= 1, got 0"),
     ("benchmarks.layer", ["--merge", "/nonexistent/layer.json"], "--merge: no such file: /nonexistent/layer.json"),
     ("benchmarks.layer", ["--quick", "--sections", "window", "--backends", "cudnn-raw"],
      "no rows: --sections window has no row of --backends cudnn-raw"),
-    ("benchmarks.train", ["--steps", "0"], "--steps: must be an int >= 1; got 0"),
-    ("benchmarks.train", ["--matmul-n", "0"], "--matmul-n: must be an int >= 1; got 0"),
-    ("benchmarks.train", ["--seq-len", "-8"], "--seq-len: must be an int >= 1; got -8"),
+    ("benchmarks.train", ["--steps", "0"], "--steps: must be >= 1, got 0"),
+    ("benchmarks.train", ["--matmul-n", "0"], "--matmul-n: must be >= 1, got 0"),
+    ("benchmarks.train", ["--seq-len", "-8"], "--seq-len: must be >= 1, got -8"),
 ], ids=["layer-seqs-0", "layer-calls-0", "layer-merge-missing", "layer-no-rows", "train-steps-0", "train-matmul-0",
         "train-seq-len-negative"])
 def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message):
@@ -388,3 +388,16 @@ def test_vs_cudnn_is_set_before_the_table_is_printed(capsys):
   bench_train.add_vs_cudnn(rows)
   assert [r["vs_cudnn"] for r in rows] == [1.0, 1.05]
   assert "| 1.05 |" in bench_train.table(rows)
+
+
+@pytest.mark.parametrize("name", ["decode", "fp8", "fp8_train", "layer", "steady", "step", "summary", "trace", "train",
+                                  "wrapper"])
+def test_help_describes_each_benchmark_with_its_docstrings_whole_first_paragraph(name, capsys, monkeypatch):
+  import importlib
+  module = importlib.import_module(f"benchmarks.{name}")
+  monkeypatch.setenv("COLUMNS", "1000")
+  with pytest.raises(SystemExit) as e:
+    module.main(["--help"])
+  assert e.value.code == 0
+  first = " ".join(module.__doc__.split("\n\n")[0].split())
+  assert first in " ".join(capsys.readouterr().out.split())
