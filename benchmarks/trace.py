@@ -53,11 +53,24 @@ def part(op_name: str) -> str:
   return next(p for p, rx in PARTS if rx.search(op_name))
 
 
+class TraceError(ValueError):
+  """The path given is not a trace this reads; the message names it and why."""
+
+
 def load(path: str) -> list[dict]:
+  """The events of a perfetto_trace.json.gz, or of the newest one under a folder; TraceError where there is none."""
   if os.path.isdir(path):
-    path = sorted(glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
-  with gzip.open(path) as f:
-    d = json.load(f)
+    found = sorted(glob.glob(os.path.join(path, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not found:
+      raise TraceError(f"{path} holds no perfetto_trace.json.gz (in it or a folder below)")
+    path = found[-1]
+  try:
+    with gzip.open(path) as f:
+      d = json.load(f)
+  except FileNotFoundError:
+    raise TraceError(f"{path}: no such file or folder") from None
+  except (OSError, EOFError, ValueError) as e:  # not gzip, cut short, not JSON
+    raise TraceError(f"{path} is not a gzipped JSON trace ({type(e).__name__}: {e})") from None
   return d["traceEvents"] if isinstance(d, dict) else d
 
 
@@ -125,9 +138,13 @@ def op_kind(event: dict) -> str:
 def main(argv=None) -> None:
   p = cli.Parser(prog="python -m benchmarks.trace", description=cli.description(__doc__))
   p.add_argument("trace", help="perfetto_trace.json.gz, or a folder holding one")
-  p.add_argument("--steps", type=int, default=5, help="steps in the trace, for per-step figures")
+  p.add_argument("--steps", type=cli.int_at_least(1), default=5, help="steps in the trace, for per-step figures")
   a = p.parse_args(argv)
-  s = summarize(load(a.trace))
+  try:
+    events = load(a.trace)
+  except TraceError as e:
+    p.error(f"{e}; give a perfetto_trace.json.gz or a folder holding one, as python -m train --profile-dir writes")
+  s = summarize(events)
   n = a.steps
   print(f"GPU span {s['span_ms'] / n:.2f} ms/step, busy {s['busy_ms'] / n:.2f} ms/step "
         f"({s['busy_ms'] / s['span_ms']:.1%}), idle {(s['span_ms'] - s['busy_ms']) / n:.2f} ms/step")

@@ -133,7 +133,7 @@ def main(argv=None) -> None:
                  help="the model with the preset's biases in its Linears and LayerNorms (GPT-2's), without any "
                       "(train --no-bias, nanoGPT's train.py default), or both side by side; default: with")
   p.add_argument("--data", help="train --data (default: the embedded corpus)")
-  p.add_argument("--run-timeout", type=float, default=300, help="seconds one training run may take")
+  p.add_argument("--run-timeout", type=cli.positive_float, default=300, help="seconds one training run may take")
   p.add_argument("--matmul-n", type=one,
                  help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, 512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")

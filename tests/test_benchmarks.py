@@ -362,8 +362,9 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
     ("benchmarks.train", ["--steps", "0"], "--steps: must be >= 1, got 0"),
     ("benchmarks.train", ["--matmul-n", "0"], "--matmul-n: must be >= 1, got 0"),
     ("benchmarks.train", ["--seq-len", "-8"], "--seq-len: must be >= 1, got -8"),
+    ("benchmarks.train", ["--run-timeout", "0"], "--run-timeout: must be a finite number > 0, got 0"),
 ], ids=["layer-seqs-0", "layer-calls-0", "layer-merge-missing", "layer-no-rows", "train-steps-0", "train-matmul-0",
-        "train-seq-len-negative"])
+        "train-seq-len-negative", "train-run-timeout-0"])
 def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message):
   proc = subprocess.run([sys.executable, "-m", module, *args, "--out", "/nonexistent-out"], cwd=ROOT,
                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
@@ -388,6 +389,21 @@ def test_vs_cudnn_is_set_before_the_table_is_printed(capsys):
   bench_train.add_vs_cudnn(rows)
   assert [r["vs_cudnn"] for r in rows] == [1.0, 1.05]
   assert "| 1.05 |" in bench_train.table(rows)
+
+
+@pytest.mark.parametrize("make", [
+    lambda tmp: tmp / "nonexistent",
+    lambda tmp: tmp,  # a folder holding no perfetto_trace.json.gz
+    lambda tmp: (tmp / "perfetto_trace.json.gz").write_text("not gzip") and tmp / "perfetto_trace.json.gz",
+], ids=["missing", "folder-without-one", "not-a-trace"])
+def test_trace_refuses_a_path_without_a_trace_in_one_line(make, tmp_path, capsys):
+  from benchmarks import trace
+  path = make(tmp_path)
+  with pytest.raises(SystemExit) as e:
+    trace.main([str(path)])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith(f"error: {path}") and len(err.strip().splitlines()) == 1, err
+  assert "python -m train --profile-dir" in err, err  # what writes one
 
 
 @pytest.mark.parametrize("name", ["decode", "fp8", "fp8_train", "layer", "steady", "step", "summary", "trace", "train",
