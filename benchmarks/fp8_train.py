@@ -51,18 +51,19 @@ def run(backend: str, a) -> list[dict]:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.fp8_train", description=cli.description(__doc__))
+  p = cli.Parser(prog="python -m benchmarks.fp8_train", description=cli.description(__doc__), formatter_class=cli.Help)
+  one = cli.int_at_least(1)
   p.add_argument("--preset", choices=list(models.PRESETS), default="tiny",
                  help=f"model shape (tiny: widened to {SMALL} unless given)")
   p.add_argument("--baseline", choices=["te", "cudnn"], default="te", help="the bf16 run te-fp8 is compared with")
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--n-layer", type=int, help="default: the preset's")
-  p.add_argument("--n-head", type=int, help="default: the preset's")
-  p.add_argument("--d-model", type=int, help="default: the preset's")
-  p.add_argument("--seq-len", type=int, help="default: the preset's")
-  p.add_argument("--batch-size", type=int, default=16)
-  p.add_argument("--lr", type=float, default=1e-3)
-  p.add_argument("--log-every", type=int, default=10)
+  p.add_argument("--steps", type=one, default=300, help="optimizer steps of each run")
+  p.add_argument("--n-layer", type=one, help="transformer blocks; default: the preset's")
+  p.add_argument("--n-head", type=one, help="query heads; default: the preset's")
+  p.add_argument("--d-model", type=one, help="model width; default: the preset's")
+  p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
+  p.add_argument("--batch-size", type=one, default=16, help="global batch")
+  p.add_argument("--lr", type=cli.positive_float, default=1e-3, help="peak learning rate")
+  p.add_argument("--log-every", type=one, default=10, help="steps between the loss records compared")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   try:

@@ -77,12 +77,14 @@ def measure(backend, T, causal, pass_, N, H, B, rounds, calls) -> dict:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.wrapper", description=cli.description(__doc__))
-  p.add_argument("--backends", nargs="+", choices=list(RAW), default=list(RAW))
-  p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384])
-  p.add_argument("--shape", type=int, nargs=3, default=[2, 16, 128], metavar=("B", "N", "H"))
-  p.add_argument("--rounds", type=int, default=5, help="alternating timing rounds of --calls calls each")
-  p.add_argument("--calls", type=int, default=20)
+  p = cli.Parser(prog="python -m benchmarks.wrapper", description=cli.description(__doc__), formatter_class=cli.Help)
+  one = cli.int_at_least(1)
+  p.add_argument("--backends", nargs="+", choices=list(RAW), default=list(RAW), help="the kernels compared")
+  p.add_argument("--seqs", type=one, nargs="+", default=[1024, 4096, 16384], help="T = S values")
+  p.add_argument("--shape", type=one, nargs=3, default=[2, 16, 128], metavar=("B", "N", "H"),
+                 help="batch, heads, head dim of q, k and v")
+  p.add_argument("--rounds", type=one, default=5, help="alternating timing rounds of --calls calls each")
+  p.add_argument("--calls", type=one, default=20, help="timed calls per program and round")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   B, N, H = a.shape

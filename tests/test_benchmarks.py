@@ -363,12 +363,22 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
     ("benchmarks.train", ["--matmul-n", "0"], "--matmul-n: must be >= 1, got 0"),
     ("benchmarks.train", ["--seq-len", "-8"], "--seq-len: must be >= 1, got -8"),
     ("benchmarks.train", ["--run-timeout", "0"], "--run-timeout: must be a finite number > 0, got 0"),
+    ("benchmarks.fp8", ["--calls", "0"], "--calls: must be >= 1, got 0"),
+    ("benchmarks.fp8", ["--core", "2", "0", "32", "128"], "--core: must be >= 1, got 0"),
+    ("benchmarks.fp8", ["--layer", "4", "4096", "4000", "30"], "D (4000) must be a multiple of N (30)"),
+    ("benchmarks.fp8_train", ["--lr", "0"], "--lr: must be a finite number > 0, got 0"),
+    ("benchmarks.fp8_train", ["--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    ("benchmarks.fp8_train", ["--n-head", "3"], "d_model (512) must be divisible by n_head (3)"),
+    ("benchmarks.wrapper", ["--seqs", "0"], "--seqs: must be >= 1, got 0"),
+    ("benchmarks.wrapper", ["--rounds", "0"], "--rounds: must be >= 1, got 0"),
 ], ids=["layer-seqs-0", "layer-calls-0", "layer-merge-missing", "layer-no-rows", "train-steps-0", "train-matmul-0",
-        "train-seq-len-negative", "train-run-timeout-0"])
+        "train-seq-len-negative", "train-run-timeout-0", "fp8-calls-0", "fp8-core-T-0", "fp8-layer-D-N",
+        "fp8_train-lr-0", "fp8_train-batch-0", "fp8_train-heads", "wrapper-seqs-0", "wrapper-rounds-0"])
 def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message):
   proc = subprocess.run([sys.executable, "-m", module, *args, "--out", "/nonexistent-out"], cwd=ROOT,
                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
   assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1500:]
+  assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-1500:]
 
 
 def test_train_benchmark_exits_non_zero_when_every_run_failed(tmp_path):
