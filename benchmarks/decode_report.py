@@ -23,8 +23,9 @@ BYTES_NOTE = ("Bytes moved per decode step = the parameters as the decoder holds
               "the cache padding a kernel reads anyway are not counted. `gb_per_s` = those bytes over the "
               "measured time per step (1 GB = 1e9 bytes); `frac_copy_bw` = that over `copy_gb_per_s`, an "
               "elementwise x + 1 over a `copy_bytes` float32 buffer timed at the start and at the end of the same "
-              "process, the faster of the two (bytes = read + write); above 1 where the bytes come from a cache nearer than main memory (small "
-              "models on a CPU). `kv_cache_mib`: the whole cache, 2·n_layer·B·cache_len·K·H·itemsize. B is the "
+              "process, the faster of the two (bytes = read + write); left out (`frac_copy_bw_omitted` says why) where it would pass 1: "
+              "such a step's bytes came from a cache nearer than the memory the copy measures (small models on a "
+              "CPU), so the copy bounds nothing there. `kv_cache_mib`: the whole cache, 2·n_layer·B·cache_len·K·H·itemsize. B is the "
               "batch asked for; on a GPU a batch of 1 runs as `decode_min_rows` rows (models.generate.MIN_GPU_ROWS), "
               "whose extra traffic is not counted.")
 COLUMNS = ["K", "backend", "batch", "context", "kv_cache_mib", "decode_ms_per_step", "tokens_per_s", "gb_per_s",
@@ -64,6 +65,36 @@ def copy_gb_per_s(nbytes: int, calls: int = 20) -> float:
   return 2 * (nbytes // 4) * 4 / (t.median_ms * 1e-3) / 1e9
 
 
+def add_fractions(rows: list[dict], copy_gb_per_s: float) -> None:
+  """Each measured row's frac_copy_bw, its gb_per_s over the same-run copy's, where that is at most 1; above 1 the
+  step moved its bytes faster than the copy moves a buffer too large for any cache, so they came from a nearer
+  cache, of which the copy says nothing: frac_copy_bw is None and frac_copy_bw_omitted says why (a "fraction"
+  above 1 would claim a rate past the memory's)."""
+  for r in rows:
+    if "gb_per_s" not in r:
+      continue
+    r.pop("frac_copy_bw_omitted", None)
+    frac = r["gb_per_s"] / copy_gb_per_s
+    r["frac_copy_bw"] = frac if frac <= 1 else None
+    if frac > 1:
+      r["frac_copy_bw_omitted"] = (f"gb_per_s {r['gb_per_s']:.4g} passes the same-run copy's {copy_gb_per_s:.4g} "
+                                   f"GB/s: the step's {r['bytes_per_step'] / 2**20:.3g} MiB came from a cache nearer "
+                                   "than the memory the copy measures")
+
+
+def omitted_line(rows: list[dict], env: dict) -> str:
+  """The report's line on the rows add_fractions gave no frac_copy_bw; "" where there are none."""
+  measured = [r for r in rows if "gb_per_s" in r]
+  left = [r for r in measured if r.get("frac_copy_bw") is None]
+  if not left:
+    return ""
+  return (f"`frac_copy_bw` is left out of {len(left)} of {len(measured)} measured rows: their gb_per_s (up to "
+          f"{max(r['gb_per_s'] for r in left):.4g}) passes the copy's {env['copy_gb_per_s']:.4g} GB/s (x + 1 over "
+          f"{env['copy_bytes'] / 2**20:.0f} MiB), so their bytes (at most "
+          f"{max(r['bytes_per_step'] for r in left) / 2**20:.3g} MiB per step) came from a cache nearer than the "
+          "memory the copy measures, and no fraction of that memory's bandwidth is given for them.")
+
+
 def ratio_lines(rows: list[dict], at: tuple[int, int]) -> list[str]:
   """Same-run tokens/s of GQA and MQA over MHA per backend at (batch, context), where both points ran."""
   ok = {(r["backend"], r["K"]): r for r in rows if r["status"] == "ok" and r["section"] == "sweep"
@@ -94,7 +125,7 @@ def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
                        title=f"{s['preset']} decode, context {c}: tokens/s vs batch")
   for b in sorted({r["batch"] for r in ok}):
     sel = [label(r) for r in ok if r["batch"] == b]
-    if len({r["context"] for r in sel}) > 1:
+    if len({r["context"] for r in sel if r.get("frac_copy_bw") is not None}) > 1:
       plots.append(f"decode_frac_copy_bw_batch{b}.png")
       report.line_plot(os.path.join(out, plots[-1]), sel, x="context", y="frac_copy_bw",
                        title=f"{s['preset']} decode, batch {b}: fraction of the same-run copy bandwidth")
@@ -110,7 +141,7 @@ def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
   md = [f"# Decode benchmarks\n\n{env}\n\nSame-run memory copy: **{env['copy_gb_per_s']:.4g} GB/s** "
         f"(x + 1 over {env['copy_bytes'] / 2**20:.0f} MiB; read + write; the faster of "
         f"{env.get('copy_gb_per_s_start', float('nan')):.4g} at the start and {env.get('copy_gb_per_s_end', float('nan')):.4g} "
-        f"at the end of the run).\n\n{BYTES_NOTE}",
+        f"at the end of the run).\n\n{BYTES_NOTE}" + (f"\n\n{omitted}" if (omitted := omitted_line(rows, env)) else ""),
         f"## Time to first token (prompt {s['ttft_context']} tokens, batch 1, K={s['kv_heads'][0]}; prefill + first "
         "token)\n\n" + report.markdown_table(ttft, ["backend", "chosen", "model", "K", "batch", "context", "status",
                                                     "ttft_ms", "decode_ms_per_step"]),

@@ -216,7 +216,12 @@ def test_decode_quick_rows_are_their_formulas_over_the_measured_time(tmp_path):
   result = json.load(open(tmp_path / "decode.json"))
   rows, copy = result["rows"], result["environment"]["copy_gb_per_s"]
   assert copy > 0 and len(list(csv.DictReader(open(tmp_path / "decode.csv")))) == len(rows)
-  assert len(list(tmp_path.glob("decode_*.png"))) == 4  # tokens/s vs batch per context, copy fraction vs context per batch
+  assert len(list(tmp_path.glob("decode_tokens_per_s_*.png"))) == 2  # tokens/s vs batch, per context
+  fractions = {r["batch"]: set() for r in rows}  # copy fraction vs context, per batch where two contexts have one
+  for r in rows:
+    if r["section"] == "sweep" and r.get("frac_copy_bw") is not None:
+      fractions[r["batch"]].add(r["context"])
+  assert len(list(tmp_path.glob("decode_frac_copy_bw_*.png"))) == sum(len(c) > 1 for c in fractions.values())
   md = (tmp_path / "decode.md").read_text()
   assert "lower bound" in md and "Time to first token" in md and "MQA (K=1) / MHA (K=4) tokens/s at batch 4" in md
   sweep = [r for r in rows if r["section"] == "sweep"]
@@ -242,10 +247,32 @@ def test_decode_quick_rows_are_their_formulas_over_the_measured_time(tmp_path):
     step_s = r["decode_ms_per_step"] * 1e-3
     assert r["tokens_per_s"] == pytest.approx(B / step_s, rel=1e-9)
     assert r["gb_per_s"] == pytest.approx(r["bytes_per_step"] / step_s / 1e9, rel=1e-9)
-    assert r["frac_copy_bw"] == pytest.approx(r["gb_per_s"] / copy, rel=1e-9)
+    if r["gb_per_s"] <= copy:  # a fraction of the copy's rate, never above it
+      assert r["frac_copy_bw"] == pytest.approx(r["gb_per_s"] / copy, rel=1e-9) and "frac_copy_bw_omitted" not in r
+    else:  # bytes a CPU serves from its caches: the copy bounds nothing there, and no fraction is given
+      assert r["frac_copy_bw"] is None and "cache" in r["frac_copy_bw_omitted"], r
     assert r["prefill_tokens_per_s"] == pytest.approx(B * r["context"] / (r["prefill_ms"] * 1e-3), rel=1e-9)
     assert r["prefill_p10_ms"] <= r["prefill_ms"] <= r["prefill_p90_ms"]
     assert r["decode_p10_ms_per_step"] <= r["decode_ms_per_step"] <= r["decode_p90_ms_per_step"]
+
+
+def test_decode_gives_no_copy_fraction_above_1_and_says_why():
+  """A step whose bytes/s pass the same-run copy's moved them from a nearer cache (a tiny model on a CPU): its
+  frac_copy_bw is left out, the row says why, and the report says how many rows and against what."""
+  from benchmarks import decode_report
+  rows = [{"status": "ok", "gb_per_s": 2.0, "bytes_per_step": 2**20},
+          {"status": "ok", "gb_per_s": 20.0, "bytes_per_step": 3 * 2**20, "frac_copy_bw": 4.0},
+          {"status": "unavailable"}]
+  decode_report.add_fractions(rows, 5.0)
+  assert rows[0]["frac_copy_bw"] == 0.4 and "frac_copy_bw_omitted" not in rows[0]
+  assert rows[1]["frac_copy_bw"] is None
+  assert rows[1]["frac_copy_bw_omitted"] == ("gb_per_s 20 passes the same-run copy's 5 GB/s: the step's 3 MiB came "
+                                             "from a cache nearer than the memory the copy measures")
+  assert "frac_copy_bw" not in rows[2]
+  line = decode_report.omitted_line(rows, {"copy_gb_per_s": 5.0, "copy_bytes": 2**26})
+  assert line.startswith("`frac_copy_bw` is left out of 1 of 2 measured rows: their gb_per_s (up to 20) passes the "
+                         "copy's 5 GB/s (x + 1 over 64 MiB)"), line
+  assert decode_report.omitted_line(rows[:1], {"copy_gb_per_s": 5.0, "copy_bytes": 2**26}) == ""
 
 
 def test_decode_budget_stops_cleanly_and_still_writes_every_file(tmp_path):
