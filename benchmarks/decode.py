@@ -52,7 +52,7 @@ FULL = dict(preset="gpt2-small", long_seq_len=8192, backends=["cudnn", "xla", "t
             kv_heads=[12, 4, 1], batches=[1, 8, 32, 64, 128, 256], contexts=[512, 2048, 8192], steps=64, calls=5,
             ttft_context=1024, copy_bytes=2**32, ratio_at=(64, 2048))
 QUICK = dict(preset="tiny", long_seq_len=256, backends=["naive", "xla", "cudnn"], kv_heads=[4, 1], batches=[1, 4],
-             contexts=[32, 128], steps=8, calls=3, ttft_context=128, copy_bytes=2**26, ratio_at=(4, 128))
+             contexts=[32, 128], steps=8, calls=3, ttft_context=128, copy_bytes=2**28, ratio_at=(4, 128))
 
 
 @dataclasses.dataclass(frozen=True)

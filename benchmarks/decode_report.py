@@ -22,12 +22,13 @@ BYTES_NOTE = ("Bytes moved per decode step = the parameters as the decoder holds
               "of the traffic: activations, the cache entries written, the rows a step adds past the prompt and "
               "the cache padding a kernel reads anyway are not counted. `gb_per_s` = those bytes over the "
               "measured time per step (1 GB = 1e9 bytes); `frac_copy_bw` = that over `copy_gb_per_s`, an "
-              "elementwise x + 1 over a `copy_bytes` float32 buffer timed at the start and at the end of the same "
-              "process, the faster of the two (bytes = read + write); left out (`frac_copy_bw_omitted` says why) where it would pass 1: "
-              "such a step's bytes came from a cache nearer than the memory the copy measures (small models on a "
-              "CPU), so the copy bounds nothing there. `kv_cache_mib`: the whole cache, 2·n_layer·B·cache_len·K·H·itemsize. B is the "
-              "batch asked for; on a GPU a batch of 1 runs as `decode_min_rows` rows (models.generate.MIN_GPU_ROWS), "
-              "whose extra traffic is not counted.")
+              "elementwise x + 1 in place (no call allocates) over a `copy_bytes` float32 buffer timed at the start "
+              "and at the end of the same process, the faster of the two (bytes = read + write); left out "
+              "(`frac_copy_bw_omitted` says why) where it would pass 1: such a step's bytes came from a cache nearer "
+              "than the memory the copy measures, so the copy bounds nothing there; a step whose bytes fit in a "
+              "cache (a small model on a CPU) may read them from it at a fraction below 1 too. `kv_cache_mib`: the "
+              "whole cache, 2·n_layer·B·cache_len·K·H·itemsize. B is the batch asked for; on a GPU a batch of 1 "
+              "runs as `decode_min_rows` rows (models.generate.MIN_GPU_ROWS), whose extra traffic is not counted.")
 COLUMNS = ["K", "backend", "batch", "context", "kv_cache_mib", "decode_ms_per_step", "tokens_per_s", "gb_per_s",
            "frac_copy_bw", "prefill_ms", "model"]
 
@@ -54,15 +55,31 @@ def step_bytes(param_bytes: int, n_layer: int, B: int, context: int, K: int, H: 
 
 
 def copy_gb_per_s(nbytes: int, calls: int = 20) -> float:
-  """GB/s of x + 1 over an `nbytes` float32 buffer (read + write), as this process measures it now.
+  """GB/s of x <- x + 1 in place over an `nbytes` float32 buffer (read + write), as this process measures it now.
 
-  Large (benchmarks.decode: 4 GiB) and warmed up, so that dispatch and clock ramp-up do not count: on the
-  H200 a 1 GiB copy timed as the process's first GPU work read 2973 GB/s, 4 GiB after five warm-up calls 3792.
+  In place: each call is given the last one's output (donated), so no call allocates. A new output per call is
+  memory that, on a CPU, the OS maps and zeroes on first touch, and the copy measured that: 64 MiB read 3.1 GB/s
+  out of place on a 2-core EPYC VM, 40 in place over 1 GiB. Large (benchmarks.decode: 4 GiB, --quick 256 MiB,
+  past a CPU's last-level cache) and warmed up, so that dispatch and clock ramp-up do not count: on the H200 a
+  1 GiB copy timed as the process's first GPU work read 2973 GB/s, 4 GiB after five warm-up calls 3792 (both out
+  of place, as the copy then was).
   """
-  x = jnp.arange(nbytes // 4, dtype=jnp.float32)
-  t = common.time_fn(jax.jit(lambda x: x + 1), x, warmup=5, calls=calls)
-  del x
+  t = common.time_fn(_InPlace(nbytes // 4), warmup=5, calls=calls)
   return 2 * (nbytes // 4) * 4 / (t.median_ms * 1e-3) / 1e9
+
+
+class _InPlace:
+  """A call for common.time_fn: x <- x + 1 on one float32 buffer of n elements, which each call donates."""
+
+  def __init__(self, n: int):
+    self.x = jnp.zeros((n,), jnp.float32)
+
+  def __call__(self):
+    self.x = _add_one(self.x)
+    return self.x
+
+
+_add_one = jax.jit(lambda x: x + 1, donate_argnums=0)
 
 
 def add_fractions(rows: list[dict], copy_gb_per_s: float) -> None:
@@ -89,8 +106,8 @@ def omitted_line(rows: list[dict], env: dict) -> str:
   if not left:
     return ""
   return (f"`frac_copy_bw` is left out of {len(left)} of {len(measured)} measured rows: their gb_per_s (up to "
-          f"{max(r['gb_per_s'] for r in left):.4g}) passes the copy's {env['copy_gb_per_s']:.4g} GB/s (x + 1 over "
-          f"{env['copy_bytes'] / 2**20:.0f} MiB), so their bytes (at most "
+          f"{max(r['gb_per_s'] for r in left):.4g}) passes the copy's {env['copy_gb_per_s']:.4g} GB/s (x + 1 in "
+          f"place over {env['copy_bytes'] / 2**20:.0f} MiB), so their bytes (at most "
           f"{max(r['bytes_per_step'] for r in left) / 2**20:.3g} MiB per step) came from a cache nearer than the "
           "memory the copy measures, and no fraction of that memory's bandwidth is given for them.")
 
@@ -139,7 +156,7 @@ def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
   notes = sorted({f"- {r['backend']} K={r['K']} B={r['batch']} context {r['context']}: {r['note']}"
                   for r in rows if r.get("note")})
   md = [f"# Decode benchmarks\n\n{env}\n\nSame-run memory copy: **{env['copy_gb_per_s']:.4g} GB/s** "
-        f"(x + 1 over {env['copy_bytes'] / 2**20:.0f} MiB; read + write; the faster of "
+        f"(x + 1 in place over {env['copy_bytes'] / 2**20:.0f} MiB; read + write; the faster of "
         f"{env.get('copy_gb_per_s_start', float('nan')):.4g} at the start and {env.get('copy_gb_per_s_end', float('nan')):.4g} "
         f"at the end of the run).\n\n{BYTES_NOTE}" + (f"\n\n{omitted}" if (omitted := omitted_line(rows, env)) else ""),
         f"## Time to first token (prompt {s['ttft_context']} tokens, batch 1, K={s['kv_heads'][0]}; prefill + first "

@@ -128,8 +128,9 @@ FLOPS_NOTE = ("`tflops` counts the FLOPs the math needs (benchmarks.flops: atten
               "when causal, backward twice the forward; projections 2·M·K·N forward), a lower bound of what runs. "
               "`vs_matmul`: that rate over an 8192³ bf16 matmul timed in the same process. `peak`: the dense "
               "datasheet peak the row is checked against (a rate above it stops the benchmark); fp8 rows may pass "
-              "the bf16 matmul. `copy_ms`: for the scaling rows, the time a device copy (x + 1 over 2 GiB, timed in the same "
-              "process) needs to move the bytes that work must move at least; `vs_copy`: that time over the row's.")
+              "the bf16 matmul. `copy_ms`: for the scaling rows, the time a device copy (x + 1 in place over 2 GiB, "
+              "timed in the same process) needs to move the bytes that work must move at least; `vs_copy`: that "
+              "time over the row's.")
 
 
 def measure(programs, matmul, calls, warmup, copy_gbps) -> list[dict]:
