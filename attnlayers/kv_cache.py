@@ -33,17 +33,26 @@ def check_lengths(lengths, batch: tuple[int, ...], T: int):
   return lengths.astype(jnp.int32)
 
 
+SHOWN_ROWS = 8  # rows an overflow error lists; the rest it counts
+
+
 def check_room(index, lengths, max_length: int) -> None:
-  """Raises where the positions are known and a row's real tokens would pass the cache's end."""
+  """Raises where the positions are known and a row's real tokens would pass the cache's end, naming every such row
+  (by its index in the batch dims), its position, what it adds, and the cache length that would hold them all."""
   if isinstance(index, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
     return  # under jit: the attention call makes those rows NaN
-  end = np.asarray(index) + np.asarray(lengths)
-  over = np.argwhere(end > max_length)
-  if over.size:
-    row = tuple(int(i) for i in over[0])
-    raise ValueError(f"decoding past the KV cache: sequence {row} is at position {int(np.asarray(index)[row])} and "
-                     f"this call adds {int(np.asarray(lengths)[row])} tokens, but the cache holds {max_length}. "
-                     "Make the cache longer (init_cache with a larger length) or stop earlier.")
+  index, lengths = np.asarray(index), np.asarray(lengths)
+  end = index + lengths
+  over = [tuple(int(i) for i in row) for row in np.argwhere(end > max_length)]  # (*batch,) indices, in order
+  if not over:
+    return
+  name = lambda row: str(row[0]) if len(row) == 1 else f"({', '.join(map(str, row))})"
+  unit = lambda n, first: (" token" if n == 1 else " tokens") if first else ""  # said once, after the first count
+  rows = [f"row {name(r)} at position {int(index[r])} adds {int(lengths[r])}{unit(int(lengths[r]), not i)} "
+          f"(to {int(end[r])})" for i, r in enumerate(over[:SHOWN_ROWS])]
+  more = f" and {len(over) - SHOWN_ROWS} more rows" if len(over) > SHOWN_ROWS else ""
+  raise ValueError(f"decoding past the KV cache: {', '.join(rows)}{more}; the cache holds {max_length} positions per "
+                   f"row. Give it at least {int(end.max())} (init_cache's max_length) or stop earlier.")
 
 
 def append(cached_key, cached_value, index, key, value, lengths):

@@ -1,0 +1,37 @@
+"""attnlayers.kv_cache's overflow error: every row that would pass the cache's end, as plain ints, with its
+position and what it adds, and the cache length that would hold them."""
+
+import numpy as np
+import pytest
+
+from attnlayers import kv_cache
+
+
+def test_an_overflow_names_every_row_its_position_and_the_length_that_would_hold_it():
+  index, lengths = np.array([4, 5, 1, 6], np.int32), np.array([3, 2, 3, 1], np.int32)  # rows 0, 1 and 3 pass 6
+  with pytest.raises(ValueError) as e:
+    kv_cache.check_room(index, lengths, 6)
+  message = str(e.value)
+  assert message == ("decoding past the KV cache: row 0 at position 4 adds 3 tokens (to 7), row 1 at position 5 adds 2 "
+                     "(to 7), row 3 at position 6 adds 1 (to 7); the cache holds 6 positions per row. Give it at "
+                     "least 7 (init_cache's max_length) or stop earlier."), message
+
+
+def test_an_overflow_in_a_batch_of_two_dims_names_rows_by_both_indices():
+  index = np.array([[0, 5], [2, 6]], np.int32)  # (*batch,) = (2, 2)
+  with pytest.raises(ValueError) as e:
+    kv_cache.check_room(index, np.full((2, 2), 2, np.int32), 6)
+  assert "cache: row (0, 1) at position 5 adds 2 tokens (to 7), row (1, 1) at position 6 adds 2 (to 8); the cache " \
+         "holds 6 positions per row. Give it at least 8 " in str(e.value), str(e.value)
+
+
+def test_a_long_list_of_rows_is_cut_and_counted():
+  with pytest.raises(ValueError) as e:
+    kv_cache.check_room(np.full((20,), 6, np.int32), np.ones((20,), np.int32), 6)
+  message = str(e.value)
+  assert "row 7 at position 6 adds 1 (to 7) and 12 more rows; the cache holds" in message, message
+  assert "row 8 " not in message
+
+
+def test_rows_that_fit_raise_nothing():
+  kv_cache.check_room(np.array([4, 2]), np.array([2, 4]), 6)
