@@ -39,14 +39,14 @@ def test_auto_is_pallas_and_the_kernels_ran():
 
 
 def test_gelu_of_gemm_after_a_gemm_matches_float64():
-  """gelu(h @ w) and d/dh with the GELU in the GEMM's epilogue (gpt2-small's widths, B=4, T=1023, bfloat16: a
+  """gelu(h @ w) and d/dh with the GELU in the GEMM's epilogue (gpt2-small's widths, B=4, T=1024, bfloat16: a
   float32 GEMM runs in TF32 by default), against float64 from the same inputs; the epilogue ran (GELU_AUX) and the
   backward is the Pallas kernel."""
   dtype = "bfloat16"
   kh, kw, ky = jax.random.split(jax.random.key(1), 3)
-  h = jax.random.normal(kh, (4, 1023, 768)).astype(DTYPES[dtype])  # (B, T, D)
+  h = jax.random.normal(kh, (4, 1024, 768)).astype(DTYPES[dtype])  # (B, T, D); 4092 rows: XLA pads the GEMM, no epilogue
   w = (jax.random.normal(kw, (768, 3072)) / 768 ** 0.5 * 3).astype(DTYPES[dtype])  # (D, F): z about 3 N(0, 1)
-  dy = jax.random.normal(ky, (4, 1023, 3072)).astype(DTYPES[dtype])  # (B, T, F)
+  dy = jax.random.normal(ky, (4, 1024, 3072)).astype(DTYPES[dtype])  # (B, T, F)
 
   def run(h, w, dy):
     y, vjp = jax.vjp(lambda h: bias_gelu.gelu_of_gemm(h @ w, kernel="pallas"), h)
