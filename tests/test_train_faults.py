@@ -693,3 +693,19 @@ def test_the_backend_hint_names_dtype_only_where_it_was_not_given_as_half(tmp_pa
     cli.main([*TINY, "--steps", "1", "--ckpt-dir", str(tmp_path / "c"), "--attn", "cudnn", "--dtype", dtype])
   hint = capsys.readouterr().err.strip().splitlines()[-1]
   assert ("--dtype bfloat16 (or float16 on a GPU)" in hint) == says_dtype, hint
+
+
+def test_what_data_reads_is_what_load_reads(tmp_path, monkeypatch):
+  """train.data.reads follows load(): a link to a folder inside --data is read (glob follows it), a hidden name is
+  not (glob skips it), and a .bin pattern's '*' stays within one folder."""
+  monkeypatch.chdir(tmp_path)
+  for d in ("corpus/sub", "outside", "shards/sub"):
+    os.makedirs(d)
+  os.symlink("../outside", "corpus/link")
+  assert data.reads("corpus", "outside/ck") and data.reads("corpus", "corpus/link/ck")
+  assert data.reads("corpus", "corpus/sub/m.jsonl") and not data.reads("corpus", "corpus/.ckpt")
+  assert not data.reads("corpus", "elsewhere") and data.reads("corpus/a.txt", "corpus/a.txt")
+  assert data.reads("shards/*.bin", "shards/m.bin") and not data.reads("shards/*.bin", "shards/sub/m.bin")
+  assert not data.reads("shards/*.bin", "shards/.m.bin")
+  os.symlink("..", "corpus/up")  # a loop of links ends
+  assert data.reads("corpus", "shards-x")  # the link leads above: glob reads all there, and so it ends

@@ -153,11 +153,12 @@ def agreed_run_dir() -> tuple[str, list[str]]:
 
 
 def _discard_if_unused(path: str, above: list[str]) -> None:
-  """Removes a run folder fresh_run_dir made for this run that holds nothing but the lock file (the run failed
-  before saving), then the folders above it that agreed_run_dir made (`above`), where empty."""
+  """Removes a run folder fresh_run_dir made for this run where it is empty (the run failed before saving; its
+  checkpoints removed the lock file they made, while they held the lock), then the folders above it that
+  agreed_run_dir made (`above`), where empty. A lock file still there stays: the lock is released by now, so it
+  may be another trainer's."""
   if jax.process_index() == 0:
-    lock.remove_if_unused(path)
-    undo.remove_empty(above)
+    undo.remove_empty(above + [path])  # innermost first
 
 
 def write_latest(path: str) -> None:

@@ -219,10 +219,42 @@ def reads(spec: str | None, path: str) -> bool:
   path = os.path.realpath(path)
   if spec is None:  # the standard library's top-level .py files
     return os.path.dirname(path) == os.path.realpath(sysconfig.get_paths()["stdlib"]) and path.endswith(".py")
-  if spec.endswith(".bin"):  # the files the pattern matches; a folder's files never end in .bin
-    return fnmatch.fnmatch(path, source(spec))
-  spec = os.path.realpath(spec)
-  return path == spec or path.startswith(os.path.join(spec, ""))
+  if spec.endswith(".bin"):  # the files the pattern matches, as glob matches them; a folder's files never end in .bin
+    return _glob_matches(source(spec), path)
+  return any(_within(path, root) for root in _read_roots(spec))
+
+
+def _within(path: str, root: str) -> bool:
+  """Whether real path `path` is `root` or lies under it where glob's "**/*" reads (no name starting with ".")."""
+  if path != root and not path.startswith(os.path.join(root, "")):
+    return False
+  return not any(part.startswith(".") for part in os.path.relpath(path, root).split(os.sep) if part != ".")
+
+
+def _read_roots(spec: str) -> list[str]:
+  """The real paths load() reads files under for --data `spec`: the file or folder itself, and every folder a
+  link inside it leads to (glob's recursion follows links to folders)."""
+  roots, todo = [os.path.realpath(spec)], [spec]
+  while todo:  # each real folder once: links that loop end here
+    folder = todo.pop()
+    for entry in os.scandir(folder) if os.path.isdir(folder) else []:
+      if entry.name.startswith(".") or not entry.is_dir():
+        continue
+      real = os.path.realpath(entry.path)
+      if entry.is_symlink() and not any(real == r or real.startswith(os.path.join(r, "")) for r in roots):
+        roots.append(real)
+      elif entry.is_symlink():
+        continue
+      todo.append(entry.path)
+  return roots
+
+
+def _glob_matches(pattern: str, path: str) -> bool:
+  """Whether glob(pattern) (not recursive) would return real path `path`: each name matched by its part of the
+  pattern ("*" never crosses "/", and a name starting with "." needs a pattern part that does)."""
+  want, have = pattern.split(os.sep), path.split(os.sep)
+  return len(want) == len(have) and all(
+      fnmatch.fnmatchcase(h, w) and (not h.startswith(".") or w.startswith(".")) for w, h in zip(want, have))
 
 
 def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:

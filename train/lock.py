@@ -21,14 +21,6 @@ from train import undo
 LOCK_NAME = "attnlayers.lock"
 
 
-def remove_if_unused(directory: str) -> None:
-  """Removes `directory` where it holds nothing but the lock file: a run that made it failed before saving."""
-  if os.path.isdir(directory) and set(os.listdir(directory)) <= {LOCK_NAME}:
-    if os.path.lexists(os.path.join(directory, LOCK_NAME)):
-      os.remove(os.path.join(directory, LOCK_NAME))
-    os.rmdir(directory)
-
-
 class LockedError(RuntimeError):
   pass
 
