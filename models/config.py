@@ -59,7 +59,7 @@ class GPTConfig:
     if w is None and self.window_pattern != "local":
       raise ValueError(f"window_pattern {self.window_pattern!r} says which layers use the window; give window "
                        "(tokens per window) too")
-    layers = [kinds[i % len(kinds)] for i in range(self.n_layer)]  # as layer_window reads it
+    layers = layer_kinds(self.window_pattern, self.n_layer)
     if w is not None and "local" not in layers:  # the pattern's 'local' lies past the last layer
       first = kinds.index("local")
       raise ValueError(
@@ -89,6 +89,25 @@ class GPTConfig:
               "param_dtype", "tie_embeddings", "bias")
     window = {"window": self.window, "window_pattern": self.window_pattern} if self.window is not None else {}
     return {f: getattr(self, f) for f in fields} | {"n_kv_head": self.n_kv_head or self.n_head} | window
+
+
+def layer_kinds(window_pattern: str, n_layer: int) -> list[str]:
+  """Each layer's kind, "local" or "global": the comma-separated pattern read from layer 0, cycled (as
+  GPTConfig.layer_window reads it)."""
+  kinds = window_pattern.split(",")
+  return [kinds[i % len(kinds)] for i in range(n_layer)]
+
+
+def as_trained(arch: dict) -> tuple[dict, str]:
+  """A checkpoint's architecture (GPTConfig.architecture) as its model ran, and a note where that is not what it
+  records (else ""): a window whose pattern makes none of the layers local, which GPTConfig refuses and an earlier
+  trainer accepted, applied to no layer, so that model trained without one."""
+  window = arch.get("window")
+  if window is None or "local" in layer_kinds(arch.get("window_pattern", "local"), arch["n_layer"]):
+    return arch, ""
+  note = (f"the checkpoint's window ({window}) applied to none of its {arch['n_layer']} layers (window_pattern "
+          f"{arch['window_pattern']!r}): the model trained without a window, and is read as one")
+  return {k: v for k, v in arch.items() if k not in ("window", "window_pattern")}, note
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -709,3 +709,14 @@ def test_what_data_reads_is_what_load_reads(tmp_path, monkeypatch):
   assert not data.reads("shards/*.bin", "shards/.m.bin")
   os.symlink("..", "corpus/up")  # a loop of links ends
   assert data.reads("corpus", "shards-x")  # the link leads above: glob reads all there, and so it ends
+
+
+def test_a_window_that_applied_to_no_layer_resumes_as_the_model_without_one(tmp_path):
+  """A checkpoint an earlier trainer wrote with --window 16 --window-pattern global,global,local for 2 layers
+  (GPTConfig now refuses the flags): its model had no window, so a resume without --window continues it."""
+  now = {"model": models.preset("tiny").architecture(), "seed": 0, "pack": False}
+  old = now | {"model": now["model"] | {"window": 16, "window_pattern": "global,global,local"}}
+  assert checkpoint.check_meta(str(tmp_path), 5, old, now) == {}
+  windowed = now | {"model": models.preset("tiny", window=16).architecture()}
+  with pytest.raises(checkpoint.ResumeMismatchError, match="model.window: checkpoint None, now 16"):
+    checkpoint.check_meta(str(tmp_path), 5, old, windowed)

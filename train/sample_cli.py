@@ -78,23 +78,13 @@ def newest_intact(directory: str) -> int:
   raise SampleError(f"no checkpoint in {directory} is intact: " + "; ".join(problems))
 
 
-def _as_trained(arch: dict) -> dict:
-  """A checkpoint's architecture as its model ran. A window whose pattern makes none of the model's layers local
-  (which GPTConfig now refuses, and an earlier trainer accepted) applied to no layer: that model trained without
-  one, and is rebuilt without one, saying so."""
-  window, kinds = arch.get("window"), arch.get("window_pattern", "local").split(",")
-  if window is None or any(kinds[i % len(kinds)] == "local" for i in range(arch["n_layer"])):
-    return arch
-  print(f"the checkpoint's window ({window}) applied to none of its {arch['n_layer']} layers (window_pattern "
-        f"{arch['window_pattern']!r}): the model trained, and is sampled, without a window", file=sys.stderr)
-  return {k: v for k, v in arch.items() if k not in ("window", "window_pattern")}
-
-
 def restore(directory: str, backend: str, step: int | None = None) -> Restored:
   """The model of `directory`'s newest intact step (or `step`), built with attention `backend`."""
   step = newest_intact(directory) if step is None else step
   meta = _read_only(directory, step, meta=ocp.args.JsonRestore())["meta"]
-  arch = _as_trained(checkpoint.ABSENT_MODEL | dict(meta["model"]))  # a field it predates: what its absence meant
+  arch, note = models.config.as_trained(checkpoint.ABSENT_MODEL | dict(meta["model"]))  # absent: what that meant
+  if note:
+    print(note, file=sys.stderr)
   tokens = tokenizer(meta, arch["vocab_size"])  # before the parameters are read
   cfg = models.GPTConfig(**arch, dtype=meta["run"]["dtype"], backend=backend,
                          # decode steps (one query) never qualify for te-fp8's FP8 core; its projections stay FP8
