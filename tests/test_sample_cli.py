@@ -391,3 +391,21 @@ def test_a_window_that_applied_to_no_layer_is_sampled_as_trained_without_one(tra
   code, out, err = sample_main(["--ckpt-dir", str(trained[1]), "--tokens", "3"], capsys)
   assert code == 0, err
   assert "the checkpoint's window (16) applied to none of its 2 layers (window_pattern 'global,global,local')" in err
+
+
+def test_a_damaged_checkpoint_process_0_cannot_set_aside_stops_every_process(tmp_path, monkeypatch):
+  """newest_intact: process 0 looks and sets aside, the others wait for its answer; where it fails (the rename
+  refused), it sends the failure, and every process raises it instead of waiting for a step that never comes."""
+  ckpts = checkpoint.Checkpoints(str(tmp_path / "c"))
+  os.makedirs(tmp_path / "c" / "5")  # an emptied step folder: set aside before the search goes on
+  ckpts.close()
+  def refuse(directory, step):
+    raise OSError(30, "Read-only file system")
+  monkeypatch.setattr(stepdirs, "set_aside", refuse)
+  me = _as_processes(monkeypatch)
+  raised = []
+  for me["index"] in (0, 1):
+    with pytest.raises((OSError, checkpoint.CheckpointError)) as e:
+      ckpts.newest_intact()
+    raised.append(str(e.value))
+  assert raised[0] == raised[1] == "[Errno 30] Read-only file system", raised

@@ -17,7 +17,6 @@ trainer out of the folder.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -25,7 +24,6 @@ import tempfile
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 import models
 from train import data, hosts, lock, stepdirs, undo
@@ -44,11 +42,6 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _on_process_0(value: int) -> int:
-  """Process 0 inspects the folder; every process then acts on its answer."""
-  if jax.process_count() == 1:
-    return value
-  return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
 class Checkpoints:
@@ -61,17 +54,8 @@ class Checkpoints:
     self.made: list[str] = []  # folders this process made, the folder and those above it: discard_if_unused's
     self.saved = False  # this run began a save here: the folder is then a checkpoint folder, lock file and all
     self.lock = lock.DirLock(self.directory)
-    failure = ""  # process 0's, as JSON [kind, message]: the others wait for its answer, so it always sends one
-    if jax.process_index() == 0:
-      try:
-        self._open(directory)
-      except Exception as e:
-        hosts.from_process_0(json.dumps([type(e).__name__, str(e)[:300]]))  # fits hosts.SIZE however escaped
-        raise
-    failure = hosts.from_process_0(failure)
-    if failure:  # another process: process 0's error, as process 0 raised it
-      kind, message = json.loads(failure)
-      raise {"LockedError": lock.LockedError}.get(kind, CheckpointError)(message)
+    hosts.on_process_0(lambda: self._open(directory), errors=(CheckpointError, lock.LockedError),
+                       default=CheckpointError)  # a failure stops every process
     self.checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(
         state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler(), fp8=ocp.StandardCheckpointHandler()))
 
@@ -129,32 +113,33 @@ class Checkpoints:
     if jax.process_index() == 0:
       stepdirs.begin(self.directory, step)  # a save stopped from here on is known to be ours
     self.checkpointer.save(stepdirs.saving_path(self.directory, step), args=ocp.args.Composite(**items), force=True)
-    if jax.process_index() == 0:
-      stepdirs.finish(self.directory, step)
-      stepdirs.end(self.directory)
-      stepdirs.rotate(self.directory, self.keep)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"checkpoint step {step} sealed")
+    # process 0 seals and rotates; the others wait for it, and stop with its error where it fails
+    hosts.on_process_0(lambda: self._seal(step), errors=(CheckpointError,), default=CheckpointError)
     self.last_good = step
 
+  def _seal(self, step: int) -> None:
+    stepdirs.finish(self.directory, step)
+    stepdirs.end(self.directory)
+    stepdirs.rotate(self.directory, self.keep)
+
   def newest_intact(self) -> int | None:
-    """The newest step that verifies; damaged ones (and emptied folders) are set aside first."""
-    newest = -1
-    if jax.process_index() == 0:
-      found = self.listing()
-      for step in sorted(found.ours + found.empty, reverse=True):
-        folder = stepdirs.step_path(self.directory, step)
-        problem = stepdirs.problem(folder)
-        if problem is None:
-          newest = step
-          break
-        moved = stepdirs.set_aside(self.directory, step)
-        self.set_aside.append(moved)
-        _say(f"checkpoint step {step} is damaged: {problem}; set aside as {moved}")
-      if newest < 0 and self.set_aside:
-        _say(f"no checkpoint in {self.directory} verifies: the run starts from step 0")
-    newest = _on_process_0(newest)
-    return None if newest < 0 else newest
+    """The newest step that verifies; damaged ones (and emptied folders) are set aside first. Process 0 looks,
+    every process acts on its answer (its failure included)."""
+    return hosts.on_process_0(self._newest_intact, errors=(CheckpointError,), default=CheckpointError)
+
+  def _newest_intact(self) -> int | None:
+    found = self.listing()
+    for step in sorted(found.ours + found.empty, reverse=True):
+      folder = stepdirs.step_path(self.directory, step)
+      problem = stepdirs.problem(folder)
+      if problem is None:
+        return step
+      moved = stepdirs.set_aside(self.directory, step)
+      self.set_aside.append(moved)
+      _say(f"checkpoint step {step} is damaged: {problem}; set aside as {moved}")
+    if self.set_aside:
+      _say(f"no checkpoint in {self.directory} verifies: the run starts from step 0")
+    return None
 
   def meta(self, step: int) -> dict:
     """What step `step` recorded about its run (check_meta reads it)."""

@@ -7,11 +7,15 @@ for its answer and would wait for ever for one that never comes.
 
 from __future__ import annotations
 
+import json
+from typing import Callable, TypeVar
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 SIZE = 4096  # bytes of text one broadcast carries
+T = TypeVar("T")
 
 
 def from_process_0(text: str) -> str:
@@ -23,3 +27,25 @@ def from_process_0(text: str) -> str:
     raise ValueError(f"from_process_0 carries at most {SIZE} bytes; got {len(data)}: {text[:80]!r}...")
   raw = np.frombuffer(data.ljust(SIZE, b"\0"), np.uint8)  # (SIZE,) on every process
   return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
+
+
+def on_process_0(work: Callable[[], T], *, errors: tuple[type[Exception], ...] = (),
+                 default: type[Exception] = RuntimeError) -> T:
+  """work() on process 0, and its result (None or JSON: an int, a string) on every process. Where it raises,
+  process 0 sends the error before raising it, and every other process raises the same message as the class of
+  `errors` with its name, else as `default`: none waits for an answer that never comes."""
+  if jax.process_count() == 1:
+    return work()
+  if jax.process_index() != 0:
+    answer = json.loads(from_process_0(""))
+    if "error" in answer:
+      kind, message = answer["error"]
+      raise {c.__name__: c for c in errors}.get(kind, default)(message)
+    return answer["value"]
+  try:
+    value = work()
+  except Exception as e:
+    from_process_0(json.dumps({"error": [type(e).__name__, str(e)[:300]]}))  # fits SIZE however escaped
+    raise
+  from_process_0(json.dumps({"value": value}))
+  return value
