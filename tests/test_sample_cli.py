@@ -372,7 +372,7 @@ def test_a_checkpoint_folder_process_0_cannot_use_stops_every_process_with_its_r
     raised.append((type(e.value), str(e.value)))
   assert raised[0] == raised[1], raised
   if problem == "locked":
-    holder.lock.release()
+    holder.close()  # its checkpointer and its lock
 
 
 def _with_meta(monkeypatch, change):

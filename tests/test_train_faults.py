@@ -565,6 +565,7 @@ def test_allow_change_data_accepts_other_data_and_says_so(tmp_path, capsys):
   cli.main([*common, "--steps", "20", "--allow-change", "steps", "--allow-change", "data", "--data", str(two)])
   out = capsys.readouterr().out
   assert f"--allow-change data: {str(one)!r} in the checkpoint, {str(two)!r} from now on" in out, out
+  assert out.index("resumed from") < out.index("--allow-change data:"), out  # said once the restore is done
   assert "--allow-change data: content {'train': 8550" in out, out
   resume = [json.loads(line) for line in open(tmp_path / "m.jsonl") if '"resume"' in line][-1]
   assert set(resume["changed"]) == {"steps", "data", "data_content"}, resume

@@ -227,11 +227,7 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict) -> tuple[int, dict]:
         f"{ckpts.directory} holds step {step}, past --steps {cfg.steps}: there is nothing to train. "
         f"{_steps_on(step, ckpts.meta(step).get('run', {}).get('steps'))} to train on from it, or sample from it: "
         f"python -m sample --ckpt-dir {ckpts.directory}")
-  changes = ckpts.check_resume(step, meta, cfg.allow_change)
-  for k, c in changes.items():  # data_content: accepted with --allow-change data
-    name = "data: content " if k == "data_content" else f"{k}: "
-    print(f"--allow-change {name}{c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
-  return step, changes
+  return step, ckpts.check_resume(step, meta, cfg.allow_change)
 
 
 def _steps_on(step: int, planned) -> str:
@@ -433,6 +429,9 @@ def run(cfg: TrainConfig) -> dict:
       state = ckpts.restore(start, state)
       newest = ", the newest checkpoint that verifies" if ckpts.set_aside else ""
       print(f"resumed from {ckpts.directory} at step {start}{newest}", flush=True)
+      for k, c in changes.items():  # said once the restore, which can still refuse, is done
+        name = "data: content " if k == "data_content" else f"{k}: "  # data_content: --allow-change data
+        print(f"--allow-change {name}{c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
       out.write({"event": "resume", "step": start, "ckpt_dir": ckpts.directory, "changed": changes})
     # the first records, once nothing can refuse the run any more: a refused run writes none
     out.write({"event": "start", "from_step": start, "steps": cfg.steps, "batch_size": cfg.batch_size,
