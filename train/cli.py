@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shlex
 import sys
@@ -135,21 +134,18 @@ class RunDirError(RuntimeError):
 def agreed_run_dir() -> tuple[str, list[str]]:
   """The folder fresh_run_dir makes on process 0, on every process (they must save to one folder), and the folders
   above it process 0 made (RUNS, where it was not there; [] on the others); where process 0 cannot make it,
-  RunDirError on every process. Process 0 sends its failure too: the others wait for its answer, and would wait
-  for ever for a path that never comes."""
-  answer, made = {"path": "", "error": ""}, []
-  if jax.process_index() == 0:
+  RunDirError on every process (hosts.on_process_0 sends the failure as it would the path)."""
+  made = []
+
+  def make() -> str:
     try:
-      made = undo.make_dirs(RUNS)
-      answer["path"] = fresh_run_dir()
+      made.extend(undo.make_dirs(RUNS))
+      return fresh_run_dir()
     except OSError as e:
       undo.remove_empty(made)
-      answer["error"] = e.strerror or str(e)
-  answer = json.loads(hosts.from_process_0(json.dumps(answer)))  # a path under RUNS or an OS message
-  if answer["error"]:
-    raise RunDirError(f"cannot make a run folder in {RUNS}/ ({answer['error']}); give --ckpt-dir elsewhere, or "
-                      "--no-ckpt")
-  return answer["path"], made
+      raise RunDirError(f"cannot make a run folder in {RUNS}/ ({e.strerror or e}); give --ckpt-dir elsewhere, or "
+                        "--no-ckpt") from None
+  return hosts.on_process_0(make, errors=(RunDirError,), default=RunDirError), made
 
 
 def _discard_if_unused(path: str, above: list[str]) -> None:
