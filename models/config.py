@@ -65,8 +65,14 @@ class GPTConfig:
       raise ValueError(
           f"window_pattern {self.window_pattern!r} makes no layer of the {self.n_layer} (n_layer) local: it is read "
           f"from layer 0 on, so the layers are {','.join(layers)!r} and the window ({w}) would apply to none; put "
-          f"'local' among its first {self.n_layer} entries (e.g. {','.join(['local'] + kinds[1:])!r}), give "
+          f"'local' among its first {self.n_layer} entries (e.g. {','.join((['local'] + kinds[1:])[:self.n_layer])!r}), "
+          f"give "
           f"n_layer {first + 1} or more, or leave out window for no sliding window")
+    if len(kinds) > self.n_layer:  # entries past the last layer would never be read
+      raise ValueError(
+          f"window_pattern {self.window_pattern!r} has {len(kinds)} entries for {self.n_layer} layers (n_layer): "
+          f"entries past the last layer would apply to none; give at most {self.n_layer} (e.g. "
+          f"{','.join(kinds[:self.n_layer])!r}, which is what these layers would use) or more layers")
 
   def layer_window(self, layer: int) -> tuple[int, int] | None:
     """Layer `layer`'s sliding_window for attnlayers: (window - 1, 0), or None where it attends every earlier
@@ -100,14 +106,24 @@ def layer_kinds(window_pattern: str, n_layer: int) -> list[str]:
 
 def as_trained(arch: dict) -> tuple[dict, str]:
   """A checkpoint's architecture (GPTConfig.architecture) as its model ran, and a note where that is not what it
-  records (else ""): a window whose pattern makes none of the layers local, which GPTConfig refuses and an earlier
-  trainer accepted, applied to no layer, so that model trained without one."""
-  window = arch.get("window")
-  if window is None or "local" in layer_kinds(arch.get("window_pattern", "local"), arch["n_layer"]):
+  records (else ""). An earlier trainer accepted two window patterns GPTConfig now refuses: one with more entries
+  than layers, whose extra entries applied to no layer (it reads as its first n_layer entries), and one that makes
+  none of the layers local, so the window applied to no layer and that model trained without one."""
+  window, n_layer = arch.get("window"), arch["n_layer"]
+  if window is None:
     return arch, ""
-  note = (f"the checkpoint's window ({window}) applied to none of its {arch['n_layer']} layers (window_pattern "
-          f"{arch['window_pattern']!r}): the model trained without a window, and is read as one")
-  return {k: v for k, v in arch.items() if k not in ("window", "window_pattern")}, note
+  pattern = arch.get("window_pattern", "local")
+  kinds = pattern.split(",")
+  if "local" not in layer_kinds(pattern, n_layer):
+    note = (f"the checkpoint's window ({window}) applied to none of its {n_layer} layers (window_pattern "
+            f"{pattern!r}): the model trained without a window, and is read as one")
+    return {k: v for k, v in arch.items() if k not in ("window", "window_pattern")}, note
+  if len(kinds) > n_layer:
+    ran = ",".join(kinds[:n_layer])
+    note = (f"the checkpoint's window_pattern {pattern!r} has {len(kinds)} entries for its {n_layer} layers; "
+            f"the layers used the first {n_layer}, so it is read as {ran!r}")
+    return arch | {"window_pattern": ran}, note
+  return arch, ""
 
 
 PRESETS: dict[str, GPTConfig] = {

@@ -393,6 +393,16 @@ def test_a_window_that_applied_to_no_layer_is_sampled_as_trained_without_one(tra
   assert "the checkpoint's window (16) applied to none of its 2 layers (window_pattern 'global,global,local')" in err
 
 
+def test_a_window_pattern_longer_than_the_model_is_sampled_as_the_layers_used_it(trained, monkeypatch, capsys):
+  """An earlier trainer accepted --window-pattern local,global,global for 2 layers (GPTConfig now refuses it): the
+  layers used its first 2 entries, so sample rebuilds the model with those and says so."""
+  _with_meta(monkeypatch, lambda m: m | {"model": m["model"] | {"window": 16, "window_pattern": "local,global,global"}})
+  code, out, err = sample_main(["--ckpt-dir", str(trained[1]), "--tokens", "3"], capsys)
+  assert code == 0, err
+  assert ("the checkpoint's window_pattern 'local,global,global' has 3 entries for its 2 layers; the layers used the "
+          "first 2, so it is read as 'local,global'") in err
+
+
 def test_a_damaged_checkpoint_process_0_cannot_set_aside_stops_every_process(tmp_path, monkeypatch):
   """newest_intact: process 0 looks and sets aside, the others wait for its answer; where it fails (the rename
   refused), it sends the failure, and every process raises it instead of waiting for a step that never comes."""

@@ -440,6 +440,9 @@ BAD_FLAGS = {
                              "window_pattern must list 'local' or 'global' per layer"),
     "pattern-no-local-layer": (lambda d: ["--window", "16", "--window-pattern", "global,global,local"],
                                "window_pattern 'global,global,local' makes no layer of the 2 (n_layer) local"),
+    "pattern-past-last-layer": (lambda d: ["--window", "16", "--window-pattern", "local,global,global"],
+                                "window_pattern 'local,global,global' has 3 entries for 2 layers (n_layer): entries "
+                                "past the last layer would apply to none; give at most 2 (e.g. 'local,global'"),
     "batch-size-0": (lambda d: ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
     "batch-size-neg": (lambda d: ["--batch-size", "-4"], "argument --batch-size: must be >= 1, got -4"),
     "seq-len-0": (lambda d: ["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
@@ -710,6 +713,20 @@ def test_what_data_reads_is_what_load_reads(tmp_path, monkeypatch):
   assert not data.reads("shards/*.bin", "shards/.m.bin")
   os.symlink("..", "corpus/up")  # a loop of links ends
   assert data.reads("corpus", "shards-x")  # the link leads above: glob reads all there, and so it ends
+
+
+def test_a_window_pattern_longer_than_the_model_resumes_as_the_layers_used_it(tmp_path):
+  """A checkpoint an earlier trainer wrote with --window 16 --window-pattern local,global,global for 2 layers
+  (GPTConfig now refuses the flags): its layers used 'local,global', so a resume with that pattern continues it,
+  and one with another pattern is refused."""
+  now = {"model": models.preset("tiny", window=16, window_pattern="local,global").architecture(), "seed": 0,
+         "pack": False}
+  old = now | {"model": now["model"] | {"window_pattern": "local,global,global"}}
+  assert checkpoint.check_meta(str(tmp_path), 5, old, now) == {}
+  other = now | {"model": models.preset("tiny", window=16, window_pattern="local").architecture()}
+  with pytest.raises(checkpoint.ResumeMismatchError,
+                     match="model.window_pattern: checkpoint 'local,global', now 'local'"):
+    checkpoint.check_meta(str(tmp_path), 5, old, other)
 
 
 def test_a_window_that_applied_to_no_layer_resumes_as_the_model_without_one(tmp_path):

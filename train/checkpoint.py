@@ -280,7 +280,7 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
         accepted[key] = {"from": a, "to": b}
       continue
     if key == "model" and isinstance(a, dict) and "n_layer" in a:
-      a = models.config.as_trained(a)[0]  # a window that applied to no layer: the model trained without one
+      a = models.config.as_trained(a)[0]  # a window pattern GPTConfig now refuses, as the model ran
     if isinstance(a, dict) and isinstance(b, dict) and key != "data_content":
       for k in sorted(set(a) | set(b)):
         was = a.get(k, ABSENT_FIELDS.get(key, {}).get(k))

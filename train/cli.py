@@ -64,7 +64,8 @@ def parser() -> argparse.ArgumentParser:
                       "(N >= the context length is plain causal attention); default: none, every earlier token")
   p.add_argument("--window-pattern", metavar="PATTERN",
                  help="with --window: 'local' (windowed) or 'global' (every earlier token) per layer, comma-separated "
-                      "and repeated over the layers, e.g. 'local,global'; default: local on every layer")
+                      "and repeated over the layers (at most one entry per layer), e.g. 'local,global'; default: local on "
+                      "every layer")
   p.add_argument("--pack", action=argparse.BooleanOptionalAction, default=False,
                  help="train on whole documents packed end to end into rows (short ones too), each token attending "
                       "only its own document (train.packing); validation is the same unpacked held-out windows "
