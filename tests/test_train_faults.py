@@ -535,6 +535,26 @@ def test_run_outputs_where_the_data_is_read_are_refused_before_any_folder_is_mad
   assert sorted(os.listdir(tmp_path)) == ["a.txt"]  # neither runs/ nor ck/ made
 
 
+def test_a_data_folder_holding_earlier_runs_is_refused_before_the_checkpoint_folder_is_touched(tmp_path):
+  """--data DIR with an earlier run's folder inside (its lock file and a sealed step's manifest): its checkpoint
+  files would be read as training text, so the run is refused, saying which folders and what would work."""
+  corpus = tmp_path / "corpus"
+  os.makedirs(corpus / "runs" / "old" / "10")
+  for i in range(3):
+    (corpus / f"{i}.txt").write_text("x = 1\n" * 300)
+  (corpus / "runs" / "old" / lock.LOCK_NAME).write_text("")
+  with pytest.raises(ValueError, match=re.escape(f"--data {str(corpus)!r} holds 1 python -m train run folder(s) "
+                                                 f"({corpus / 'runs' / 'old'}: checkpoints and logs, not text)")):
+    loop.run(tiny(tmp_path / "c", data=str(corpus)))
+  assert not (tmp_path / "c").exists()
+  os.remove(corpus / "runs" / "old" / lock.LOCK_NAME)  # a step folder alone (its manifest) says the same
+  (corpus / "runs" / "old" / "10" / stepdirs.MANIFEST).write_text("{}")
+  with pytest.raises(ValueError, match=re.escape(f"({corpus / 'runs' / 'old'}: checkpoints and logs")):
+    data.load(str(corpus), 16)
+  os.remove(corpus / "runs" / "old" / "10" / stepdirs.MANIFEST)
+  assert data.load(str(corpus), 16).files == tuple(str(corpus / f"{i}.txt") for i in range(3))
+
+
 # --- resuming with other settings
 
 

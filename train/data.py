@@ -3,7 +3,8 @@
 Sources (`--data`):
   (default)     the Python standard library's own .py files read as bytes: present on
                 every machine, no download; every 10th file (sorted) is held out.
-  PATH          a text file or a folder of text files, byte-level (vocab 256); a
+  PATH          a text file or a folder of text files (no run folders of python -m train
+                in it: refused), byte-level (vocab 256); a
                 folder splits by file like the default, a single file keeps its last 10%.
   'DIR/*.bin'   llm.c / modded-nanogpt GPT-2 token shards (256 x int32 header, magic
                 20240520, version 1, token count; then uint16 tokens), memory-mapped.
@@ -39,7 +40,7 @@ import sysconfig
 
 import numpy as np
 
-from train import packing, sample
+from train import lock, packing, sample, stepdirs
 
 DEFAULT_NAME = "python-stdlib"  # the default data's name (not a path)
 CONTENT_MIB = 1 << 20  # bytes of each end of a file that Dataset.content hashes
@@ -257,6 +258,14 @@ def _glob_matches(pattern: str, path: str) -> bool:
       fnmatch.fnmatchcase(h, w) and (not h.startswith(".") or w.startswith(".")) for w, h in zip(want, have))
 
 
+def _run_folders(files: list[str]) -> list[str]:
+  """The folders among `files`' that python -m train wrote: a run folder (its lock file) or a checkpoint step
+  (its manifest; the run folder is its parent)."""
+  runs = {os.path.dirname(f) for f in files if os.path.basename(f) == lock.LOCK_NAME}
+  runs |= {os.path.dirname(os.path.dirname(f)) for f in files if os.path.basename(f) == stepdirs.MANIFEST}
+  return sorted(runs)
+
+
 def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
   """The data of `spec` (module docstring) for windows of seq_len; pack: also every training document packed."""
   check_source(spec)
@@ -268,6 +277,12 @@ def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
     files = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(p))
     if not files:
       raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
+    runs = _run_folders(files)
+    if runs:
+      raise ValueError(f"--data {spec!r} holds {len(runs)} python -m train run folder(s) ({', '.join(runs[:3])}"
+                       f"{', ...' if len(runs) > 3 else ''}: checkpoints and logs, not text); they would be read as "
+                       "training text. Give a folder that holds text only: move the run folders out of it, or "
+                       "give a subfolder of it that has none")
     return _split_bytes(spec, files, seq_len, pack)
   if os.path.isfile(spec):
     if os.path.getsize(spec) == 0:
