@@ -75,8 +75,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (warm-up, then cosine decay)")
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
-  p.add_argument("--data", help="text file, folder of text (every file under it; none of python -m train's run folders), or 'DIR/*.bin' token shards; default: "
-                                "the installed Python's standard library sources, read at run time (no download)")
+  p.add_argument("--data", help="text file, folder of text (every file under it; no run folders of python -m train), "
+                                "or 'DIR/*.bin' token shards; default: the installed Python's standard library "
+                                "sources, read at run time (no download)")
   keep = p.add_mutually_exclusive_group()
   keep.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: a new "
                                        f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")

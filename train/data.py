@@ -3,9 +3,9 @@
 Sources (`--data`):
   (default)     the Python standard library's own .py files read as bytes: present on
                 every machine, no download; every 10th file (sorted) is held out.
-  PATH          a text file or a folder of text files (no run folders of python -m train
-                in it: refused), byte-level (vocab 256); a
-                folder splits by file like the default, a single file keeps its last 10%.
+  PATH          a text file or a folder of text files (one holding python -m train's run
+                folders is refused), byte-level (vocab 256); a folder splits by file
+                like the default, a single file keeps its last 10%.
   'DIR/*.bin'   llm.c / modded-nanogpt GPT-2 token shards (256 x int32 header, magic
                 20240520, version 1, token count; then uint16 tokens), memory-mapped.
                 Files with 'val' in the name are held out; without any, the last shard is.
