@@ -14,7 +14,7 @@ import shutil
 import jax
 import pytest
 
-from train import checkpoint, cli, lock, loop, sample, sample_cli, stepdirs
+from train import checkpoint, cli, hosts, lock, loop, sample, sample_cli, stepdirs
 
 TRAIN = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "4", "--ckpt-every", "2",
          "--no-progress", "--eval-every", "0", "--log-every", "1", "--sample-tokens", "8"]
@@ -326,6 +326,22 @@ def _as_processes(monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda: me["index"])
   monkeypatch.setattr(multihost_utils, "broadcast_one_to_all", broadcast)
   return me
+
+
+def test_process_0s_error_reaches_every_process_whole_however_long(monkeypatch):
+  """on_process_0 sends process 0's error message whole (any length, any characters) and its result; the other
+  processes raise that message or return that result."""
+  message = "déjà vu \u2603 " * 1000  # 15000 characters, 19000 bytes of UTF-8, more again as JSON escapes them
+  def fails():
+    raise checkpoint.CheckpointError(message)
+  me = _as_processes(monkeypatch)
+  for me["index"] in (0, 1):
+    with pytest.raises(checkpoint.CheckpointError) as e:
+      hosts.on_process_0(fails, errors=(checkpoint.CheckpointError,))
+    assert str(e.value) == message
+  for me["index"] in (0, 1):
+    assert hosts.on_process_0(lambda: "" if me["index"] else "runs/x") == "runs/x"  # process 1's work never runs
+    assert hosts.on_process_0(lambda: None) is None
 
 
 def test_every_process_saves_in_the_run_folder_process_0_made(tmp_path, monkeypatch):

@@ -14,19 +14,18 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-SIZE = 4096  # bytes of text one broadcast carries
 T = TypeVar("T")
 
 
 def from_process_0(text: str) -> str:
-  """Process 0's `text` (at most SIZE bytes of UTF-8) on every process; the others' own are not read."""
+  """Process 0's `text` on every process, whatever its length (two broadcasts: its size in bytes, then its UTF-8
+  bytes); the others' own are not read."""
   if jax.process_count() == 1:
     return text
-  data = text.encode()
-  if len(data) > SIZE:
-    raise ValueError(f"from_process_0 carries at most {SIZE} bytes; got {len(data)}: {text[:80]!r}...")
-  raw = np.frombuffer(data.ljust(SIZE, b"\0"), np.uint8)  # (SIZE,) on every process
-  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
+  data = text.encode() if jax.process_index() == 0 else b""
+  size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.array([len(data)], np.int32)))[0])
+  raw = np.frombuffer(data.ljust(max(size, 1), b"\0"), np.uint8)  # (max(size, 1),) on every process
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw)))[:size].decode()
 
 
 def on_process_0(work: Callable[[], T], *, errors: tuple[type[Exception], ...] = (),
@@ -45,7 +44,7 @@ def on_process_0(work: Callable[[], T], *, errors: tuple[type[Exception], ...] =
   try:
     value = work()
   except Exception as e:
-    from_process_0(json.dumps({"error": [type(e).__name__, str(e)[:300]]}))  # fits SIZE however escaped
+    from_process_0(json.dumps({"error": [type(e).__name__, str(e)]}))
     raise
   from_process_0(json.dumps({"value": value}))
   return value
