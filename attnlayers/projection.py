@@ -5,7 +5,7 @@ XLA's GEMM rewriter fuses a bias into cuBLASLt's epilogue only when it is a vect
 GEMM's output columns, so that (N, H) bias stays a separate pass that reads and writes all of
 q, k and v. `heads` computes the same projection as x (.., D) @ kernel (D, N * H) + bias (N * H,)
 and then reshapes, from the same parameters. Compiled with the trainer's options
-(train.loop.STEP_COMPILER_OPTIONS) on a GPU, the bias then runs in the GEMM, added to its float32
+(train.step.STEP_COMPILER_OPTIONS) on a GPU, the bias then runs in the GEMM, added to its float32
 result before the rounding to the compute dtype.
 """
 

@@ -1,8 +1,8 @@
 """`python -m benchmarks.steady`: the trainer's step back to back, timed and traced in one process, with clocks.
 
 Why: a profiler trace and a timed training run are two runs, each at the SM clock the board's
-power cap left it, so their times per step need not agree. Here one process runs train.loop's
-own step (train.loop.build: donated state, the trainer's compiler options) on one fixed batch of
+power cap left it, so their times per step need not agree. Here one process runs train.step's
+own step (train.step.build: donated state, the trainer's compiler options) on one fixed batch of
 random tokens, in phases, without waiting between steps (as training dispatches them):
 
   untimed   --warmup steps (compilation, then the clocks settle)
@@ -33,6 +33,7 @@ from attnlayers import cli
 import models
 from benchmarks import clocks, common, report, trace, train
 from train import loop
+from train.step import build
 
 CLOCK_KEYS = ("sm_mhz", "power_w", "power_capped_share", "busy_samples")
 COLUMN_NOTE = (
@@ -115,7 +116,7 @@ def main(argv=None) -> list[dict]:
   mcfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, **fp8_core)
   cfg = loop.TrainConfig(model=mcfg, batch_size=a.batch_size, steps=a.warmup + 2 * a.steps + a.trace_steps,
                          progress=False)
-  model, state = loop.build(cfg, NamedSharding(loop.data_mesh(jax.devices()[:1]), P()))
+  model, state = build(cfg, NamedSharding(loop.data_mesh(jax.devices()[:1]), P()))
   x = jax.random.randint(jax.random.key(1), (a.batch_size, a.seq_len), 0, mcfg.vocab_size)  # (B, T)
   batch = {"inputs": x, "targets": jnp.roll(x, -1, axis=1)}
   with tempfile.TemporaryDirectory(prefix="attnlayers-steady-") as trace_dir:

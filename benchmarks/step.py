@@ -2,7 +2,7 @@
 
 Times, with the one timing helper, the forward pass with loss, forward + backward, and the
 whole step with the AdamW update, for one model and attention backend; the differences
-give backward and optimizer time. The loss is the training loss (train.loop._loss itself: the
+give backward and optimizer time. The loss is the training loss (train.step.batch_loss itself: the
 output layer fused with the cross-entropy in chunks, models.loss), and the step differentiates
 with respect to the FP8 scaling state too, as training does (te-fp8). Also the output layer + loss
 alone, both ways: float32 (B, T, V) logits + optax, and fused (logits are the largest
@@ -10,7 +10,7 @@ activation of a GPT-2-sized vocabulary); the fused loss's softmax - onehot on th
 --kernels picks ("kernels" in the printed config) and on XLA's fusions. The whole step is timed
 on XLA's fusions too (kernels="xla": the LayerNorms, bias + GELU and the loss as XLA fusions), so the
 same run says what the Pallas kernels buy. Everything compiles with the trainer's XLA options
-(train.loop.STEP_COMPILER_OPTIONS), and the whole step once more with XLA's defaults, so the
+(train.step.STEP_COMPILER_OPTIONS), and the whole step once more with XLA's defaults, so the
 same run says what those options buy.
 """
 
@@ -33,7 +33,7 @@ from attnlayers.fp8 import FP8Meta
 from models import kernels
 from models.loss import head_cross_entropy
 from train import optim
-from train.loop import STEP_COMPILER_OPTIONS, _loss
+from train.step import STEP_COMPILER_OPTIONS, batch_loss
 
 
 def main(argv=None) -> None:
@@ -55,7 +55,7 @@ def main(argv=None) -> None:
   y = jnp.roll(x, -1, axis=1)
 
   def loss(params, fp8, x, y, graphdef=graphdef):
-    return _loss(graphdef, params, fp8, {"inputs": x, "targets": y}, None)
+    return batch_loss(graphdef, params, fp8, {"inputs": x, "targets": y}, None)
 
   def step(params, fp8, opt_state, x, y, graphdef=graphdef):  # as train.loop's: the FP8Meta "gradient" is its next value
     l, (g, fp8) = jax.value_and_grad(loss, argnums=(0, 1))(params, fp8, x, y, graphdef)

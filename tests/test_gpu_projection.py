@@ -1,4 +1,4 @@
-"""On an NVIDIA GPU: compiled as the trainer compiles (train.loop.STEP_COMPILER_OPTIONS), the biases
+"""On an NVIDIA GPU: compiled as the trainer compiles (train.step.STEP_COMPILER_OPTIONS), the biases
 of the attention layer's four projections and of the GPT's MLP output run in cuBLASLt epilogues, and so
 does the GELU of a GPT without biases (models.bias_gelu.gelu_of_gemm)."""
 

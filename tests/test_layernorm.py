@@ -17,7 +17,7 @@ import models
 from models import norm_fwd, norm_grad
 from models.layernorm import residual_norm
 from tests import reference
-from train import loop
+from train.step import batch_loss
 
 B, T, D = 3, 5, 48  # N = 15 rows: no multiple of the kernel's tile; D = 48: no power of two (64 lanes, 16 masked)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -206,7 +206,7 @@ def test_model_loss_and_gradients_on_both_kernels(kernels=KERNELS, **overrides):
   for kernel in kernels:
     graphdef, params, fp8 = nnx.split(models.GPT(dataclasses.replace(cfg, kernels=kernel), rngs=nnx.Rngs(0)),
                                       nnx.Param, ...)
-    result[kernel] = jax.jit(jax.value_and_grad(lambda p: loop._loss(graphdef, p, fp8, batch, None)))(params)
+    result[kernel] = jax.jit(jax.value_and_grad(lambda p: batch_loss(graphdef, p, fp8, batch, None)))(params)
   (lx, gx), (lp, gp) = result["xla"], result[kernels[1]]
   reference.assert_close(lp, lx, jnp.float32, "out", "loss")
   jax.tree.map(lambda a, b: reference.assert_close(a, b, jnp.float32, "grad", "parameter gradient"), gp, gx)

@@ -21,7 +21,7 @@ from attnlayers.fp8 import FP8Meta
 from models import kernels, softmax_grad
 from models.loss import head_cross_entropy
 from tests import reference
-from train import loop
+from train.step import batch_loss
 
 B, T, D, V = 2, 7, 16, 41  # N = 14 tokens; sizes that no other dimension repeats, for the HLO check
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -214,19 +214,19 @@ def _tiny(tie: bool):
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_training_loss_is_the_logits_formula(tie):
-  """train.loop's loss (fused) and its parameter gradients equal the former logits + optax loss (float32 tiny)."""
+  """train.step's loss (fused) and its parameter gradients equal the former logits + optax loss (float32 tiny)."""
   model, batch = _tiny(tie)
   graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
   N = batch["targets"].size
 
-  def before(params):  # train.loop._loss before the fused loss
+  def before(params):  # train.step.batch_loss before the fused loss
     logits = nnx.merge(graphdef, params, fp8)(batch["inputs"])  # (B, T, V) float32
     return N * optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
-  value, grads = jax.value_and_grad(lambda p: N * loop._loss(graphdef, p, fp8, batch, None))(params)
+  value, grads = jax.value_and_grad(lambda p: N * batch_loss(graphdef, p, fp8, batch, None))(params)
   value0, grads0 = jax.value_and_grad(before)(params)
   reference.assert_close(value / N, value0 / N, jnp.float32, "out", "loss")
-  reference.assert_close(loop._loss(graphdef, params, fp8, batch, None), value0 / N, jnp.float32, "out", "eval loss")
+  reference.assert_close(batch_loss(graphdef, params, fp8, batch, None), value0 / N, jnp.float32, "out", "eval loss")
   flat, flat0 = jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads0)
   assert len(flat) == len(flat0)
   for (path, g), g0 in zip(flat, flat0):

@@ -12,7 +12,8 @@ from flax import nnx
 
 import models
 from tests import reference
-from train import checkpoint, loop, sample_cli
+from train import checkpoint, sample_cli
+from train.step import batch_loss
 from tests.test_train import SMALL, train_cli
 
 
@@ -24,7 +25,7 @@ def _loss_and_grads(cfg, batch, weights: dict | None = None):
   if weights is not None:
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: weights.get(jax.tree_util.keystr(p), jnp.zeros_like(x)), params)
-  loss = lambda p: loop._loss(graphdef, nnx.State(p), fp8, batch, None)
+  loss = lambda p: batch_loss(graphdef, nnx.State(p), fp8, batch, None)
   return params, jax.jit(jax.value_and_grad(loss))(params)
 
 

@@ -10,15 +10,15 @@ Packed runs (TrainConfig.pack) train on rows of whole documents (train.packing);
 is the same unpacked held-out windows in both modes (train.data says why). Neither mode pads,
 so tokens_per_s counts only real tokens.
 
-The settings are train.config's TrainConfig; what a run says apart from its steps (notices, the
-attention check, the summary and its sample) is train.report.
+The settings are train.config's TrainConfig; the model, optimizer and jitted step it trains are
+train.step's; what a run says apart from its steps (notices, the attention check, the summary
+and its sample) is train.report.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import tempfile
@@ -26,99 +26,19 @@ import time
 
 import jax
 import numpy as np
-import optax
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 import models
-from attnlayers.fp8 import FP8Meta
 from models import kernels
-from models.loss import head_cross_entropy
-from train import checkpoint, data, metrics, optim, report, signals, stepdirs, undo
+from train import checkpoint, data, metrics, report, signals, stepdirs, undo
 from train.config import PROFILE_WINDOW, TrainConfig
-
-# XLA options the step and evaluation compile with (GPU options; other platforms ignore them).
-# cuBLASLt on (XLA's default where jax does not turn it off): it is what takes a bias epilogue.
-# Triton GEMM fusions off: XLA then rewrites each dot straight into cuBLASLt and fuses a vector
-# bias into its epilogue (tests/test_gpu_projection.py; with them on, the biases stayed passes of
-# their own). Dot merging off: merged, the k and v GEMMs (one input) made the backward concatenate
-# dk with dv and add two dx. gpt2-small cudnn on the H200: 65.13 ms a step with these, 66.48 ms
-# with XLA's defaults, timed one after the other in one run, their p10-p90 ranges overlapping
-# (benchmarks/results/h200/gpt2-small/step.md).
-STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cublaslt": True, "xla_gpu_enable_triton_gemm": False,
-                         "xla_gpu_dot_merger_threshold_mb": 0}
+from train.step import Model, build, lr
 
 
 class TrainingDiverged(RuntimeError):
   pass
-
-
-def _loss(graphdef, params, fp8, batch: dict, dropout_key):
-  """Mean cross-entropy over every target of `batch` (Batches: no padding, none left out, packed or not),
-  float32. The output layer and loss run fused in chunks (models.loss): the (B, T, V) logits never exist.
-  The logits come out of their GEMM in the compute dtype, as the model's own logits do (GPT.__call__) and as
-  nanoGPT's do under autocast; the softmax runs in float32. Its softmax - onehot runs on the kernel that
-  the model's `kernels` setting resolves to (models.kernels; the summary's "kernels")."""
-  model = nnx.merge(graphdef, params, fp8)
-  rngs = nnx.Rngs(dropout=dropout_key) if model.cfg.dropout else None
-  h = model.hidden(batch["inputs"], rngs=rngs, segment_ids=batch.get("segment_ids"),
-                   positions=batch.get("positions"))  # (B, T, D) compute dtype
-  return head_cross_entropy(h, model.head_weight(), batch["targets"], logits_dtype=h.dtype, kernel=model.cfg.kernels)
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-  """The model split for training, the optimizer, and the jitted step functions."""
-  graphdef: nnx.GraphDef  # the model's structure, without its state
-  tx: optax.GradientTransformation  # AdamW with the run's schedule
-  lr_at: optax.Schedule  # the learning rate of each update, by 0-based index (lr below reads it)
-  lr_device: jax.Device | None  # where lr computes it: the host's CPU (None: the default device)
-  n_params: int  # as nanoGPT counts them for FLOPs
-  train_step: object  # (state, batch, step) -> (new state, loss); donates the old state
-  eval_loss: object  # (params, fp8, batch) -> loss, dropout off
-
-
-def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
-  """The model and optimizer, and the initial state {params, opt_state, fp8} on every device."""
-  model = models.GPT(cfg.model, rngs=nnx.Rngs(cfg.seed))
-  # fp8: FP8 scaling state (te-fp8 only, else empty); replaced by its gradient each step, never optimised
-  graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
-  if fp8 and jax.device_count() > 1:
-    raise ValueError(f"--attn te-fp8 trains on one device in this version (its amax reductions are not "
-                     f"wired across devices); have {jax.device_count()}")
-  tx = optim.adamw(cfg.lr, cfg.steps, cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip)
-  state = jax.device_put({"params": params, "opt_state": tx.init(params), "fp8": fp8}, replicated)
-
-  @functools.partial(jax.jit, donate_argnums=0, compiler_options=STEP_COMPILER_OPTIONS)  # donated: new state in old buffers
-  def train_step(state, batch, step):
-    key = jax.random.fold_in(jax.random.key(cfg.seed), step)  # dropout depends on (seed, step) only
-    loss, (grads, fp8) = jax.value_and_grad(lambda p, f: _loss(graphdef, p, f, batch, key), argnums=(0, 1))(
-        state["params"], state["fp8"])  # the FP8Meta "gradient" is its updated value (attnlayers.fp8)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "fp8": fp8}, loss
-
-  eval_loss = jax.jit(lambda params, fp8, batch: _loss(graphdef, params, fp8, batch, None),
-                      compiler_options=STEP_COMPILER_OPTIONS)
-  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
-  return Model(graphdef, tx, lr_at, _host_cpu(), models.count_params(model), train_step, eval_loss), state
-
-
-def _host_cpu() -> jax.Device | None:
-  """The host's CPU device, or None where JAX_PLATFORMS leaves out the CPU backend."""
-  try:
-    return jax.local_devices(backend="cpu")[0]
-  except RuntimeError:
-    return None
-
-
-def lr(model: Model, step: int) -> float:
-  """The learning rate of step `step` (1-based), computed on the host's CPU device (model.lr_device): on the
-  training device the computation would queue behind the step in flight, and a report reading it would wait
-  for that step. (Without a CPU backend, on the default device.)"""
-  with jax.default_device(model.lr_device):
-    return float(model.lr_at(step - 1))
 
 
 BATCH_FIELDS = ("inputs", "targets", "segment_ids", "positions")  # a packed batch's arrays; unpacked: the first two
