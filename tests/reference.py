@@ -44,6 +44,15 @@ def assert_close(actual, expected, dtype, kind: str = "out", what: str = ""):
   np.testing.assert_allclose(actual, expected, err_msg=what, **tolerance(dtype, kind))
 
 
+def assert_close_sum(actual, expected, dtype, n: int, what: str = ""):
+  """A gradient that sums n rows (a bias's, a LayerNorm scale's): the "grad" tolerance of one value, its atol
+  grown by sqrt(n), as independent roundings of n terms add up. (Dividing both sides by n, as these checks did,
+  grows atol by n: at bfloat16 and n = 4092 it passed a gradient half its true size.)"""
+  atol, rtol = TOLERANCES[(np.dtype(dtype).name, "grad")]
+  np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64), err_msg=what,
+                             atol=atol * float(np.sqrt(n)), rtol=rtol)
+
+
 def allowed(T, S, mask=None, is_causal=False, *, query_seq_lengths=None, key_value_seq_lengths=None,
             causal_alignment="top-left", segment_ids=None, window=None):
   """Boolean keep[.., t, s]: query t may attend key s (attnlayers.spec's rule, written out again).

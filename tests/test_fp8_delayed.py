@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import attnlayers
-from attnlayers.backends import _fp8_delayed
+from attnlayers.backends import _fp8_core, _fp8_delayed
 from attnlayers.fp8 import FP8Meta, FP8Recipe
 from attnlayers.nnx import MultiHeadAttention
 from tests import reference
@@ -46,6 +46,8 @@ def _fake_backward(q8, k8, v8, scales, out, stats, dout, *, scale, is_causal):
 def cpu_kernels(monkeypatch):
   monkeypatch.setattr(_fp8_delayed, "quantized_forward", _fake_forward)
   monkeypatch.setattr(_fp8_delayed, "quantized_backward", _fake_backward)
+  monkeypatch.setattr(_fp8_core, "quantized_forward", _fake_forward)
+  monkeypatch.setattr(_fp8_core, "quantized_backward", _fake_backward)
 
 
 def _inputs(seed=0):
@@ -71,6 +73,20 @@ def _reference(q, k, v, dout):
   options = dict(is_causal=True, scale=H**-0.5)
   out, _ = reference.forward(f64(q), f64(k), f64(v), **options)
   return out, reference.gradients(f64(q), f64(k), f64(v), np.asarray(dout), **options)
+
+
+def _check_dequantised(q, k, v, scales, dout, out, grads, what):
+  """With the fake kernels the core is float32 attention on q, k, v as E4M3 holds them (x * s rounded, saturated
+  at 448, then / s): against the float64 reference of exactly those tensors, to bf16's tolerance (out and grads are
+  bf16). The FP8 rule above (1/8 of the largest value) also passes a dk 10% too small or a wrong scale."""
+  f64 = lambda x: np.asarray(x, np.float64)
+  deq = [f64(jnp.clip(x.astype(jnp.float32) * s, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32) / s)
+         for x, s in zip((q, k, v), np.asarray(scales))]
+  options = dict(is_causal=True, scale=H**-0.5)
+  want, _ = reference.forward(*deq, **options)
+  reference.assert_close(out, want, jnp.bfloat16, "out", f"{what} vs dequantised inputs")
+  for name, got, ref in zip("qkv", grads, reference.gradients(*deq, np.asarray(dout), **options)):
+    reference.assert_close(got, ref, jnp.bfloat16, "grad", f"{what} d{name} vs dequantised inputs")
 
 
 def test_scales_are_powers_of_two_from_each_rows_max():
@@ -110,7 +126,26 @@ def test_delayed_core_matches_reference_and_its_gradient_is_the_next_history(cpu
   reference.assert_close(out, want, "fp8", "out", f"delayed core, {step} step")
   for name, got, ref in zip("qkv", (dq, dk, dv), want_grads):
     reference.assert_close(got, ref, "fp8", "grad", f"delayed core d{name}, {step} step")
+  _check_dequantised(q, k, v, _fp8_delayed.scales_from(history), dout, out, (dq, dk, dv), f"delayed core, {step} step")
   np.testing.assert_array_equal(next_history, _fp8_delayed.roll(history, _amax(q, k, v)))
+
+
+def test_current_scaling_core_matches_reference(cpu_kernels):
+  """te-fp8's current-scaling core (_fp8_core.attention: each scale from this call's max|x|), its quantisation and
+  custom_vjp on the fake kernels: the float64 reference (FP8 rule) and the dequantised tensors' (bf16 rule)."""
+  q, k, v, dout = _inputs()
+  def loss(q, k, v):
+    out = _fp8_core.attention(q, k, v, H**-0.5, True)
+    return jnp.sum(out.astype(jnp.float32) * dout), out
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  assert out.dtype == q.dtype and all(g.dtype == q.dtype for g in grads)
+  want, want_grads = _reference(q, k, v, dout)
+  reference.assert_close(out, want, "fp8", "out", "current-scaling core")
+  for name, got, ref in zip("qkv", grads, want_grads):
+    reference.assert_close(got, ref, "fp8", "grad", f"current-scaling core d{name}")
+  scales = _fp8_core.pow2_scale(_amax(q, k, v))
+  assert float(jnp.min(scales * _amax(q, k, v))) > 224  # the largest power of two that fits: E4M3's upper half
+  _check_dequantised(q, k, v, scales, dout, out, grads, "current-scaling core")
 
 
 # Two CPU devices in a process of their own, the batch split over a "data" axis as train.loop.data_mesh splits it;
@@ -167,6 +202,7 @@ def test_an_amax_past_the_history_saturates_and_stays_finite(cpu_kernels):
   reference.assert_close(out, want, "fp8", "out", "saturated delayed core")
   for name, got, ref in zip("qkv", grads[:3], want_grads):
     reference.assert_close(got, ref, "fp8", "grad", f"saturated delayed core d{name}")
+  _check_dequantised(q, k, v, _fp8_delayed.scales_from(history), dout, out, grads[:3], "saturated delayed core")
 
 
 def test_amax_history_argument_is_checked():

@@ -13,7 +13,7 @@ from flax import nnx
 
 import attnlayers
 from attnlayers.nnx import MultiHeadAttention
-from tests import cases
+from tests import cases, reference
 from tests.test_packing_core import check, packed
 
 pytestmark = pytest.mark.gpu
@@ -198,7 +198,7 @@ def test_nnx_layer_packed_on_te_equals_xla():
     layer = MultiHeadAttention(4, 256, num_kv_heads=2, backend=backend, is_causal=True, decode=False,
                                sliding_window=(32, 0), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     out[backend] = np.asarray(layer(x, segment_ids=ids), np.float32)
-  np.testing.assert_allclose(out["te"], out["xla"], atol=2e-2, rtol=2e-2)
+  reference.assert_close(out["te"], out["xla"], jnp.bfloat16, "out", "te layer vs xla layer, packed and windowed")
 
 
 @needs_te
