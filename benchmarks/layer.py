@@ -279,7 +279,7 @@ def main(argv=None) -> None:
   p = cli.Parser(prog="python -m benchmarks.layer", description=cli.description(__doc__))
   one = cli.int_at_least(1)
   p.add_argument("--quick", action="store_true", help="a CPU-sized subset (what CI runs)")
-  p.add_argument("--sections", nargs="+", default=["default", "seq", "batch", "heads", "headdim"],
+  p.add_argument("--sections", nargs="+",
                  choices=["default", "seq", "batch", "heads", "headdim", *packing.SECTIONS],
                  help=f"default: all but {' and '.join(packing.SECTIONS)} (benchmarks.packing: packed documents, "
                       "causal sliding windows; each row's ratio is to a baseline timed in the same run)")
@@ -287,8 +287,8 @@ def main(argv=None) -> None:
                  help="T values of the seq section (default 64 ... 16384)")
   p.add_argument("--batches", type=one, nargs="+",
                  help="B values of the batch sections (default 1 ... 16)")
-  p.add_argument("--levels", nargs="+", choices=["core", "layer"], default=["core", "layer"],
-                 help="core: attnlayers.attention; layer: the nnx layer, projections + core")
+  p.add_argument("--levels", nargs="+", choices=["core", "layer"],
+                 help="core: attnlayers.attention; layer: the nnx layer, projections + core (default: both)")
   p.add_argument("--calls", type=one, help="timed calls per row (default 20; 3 with --quick)")
   p.add_argument("--backends", nargs="+", choices=[b for b, _ in BACKEND_DTYPES] + list(RAW),
                  help="only these backends' rows (default: every one)")
@@ -296,6 +296,15 @@ def main(argv=None) -> None:
   p.add_argument("--merge", nargs="+", metavar="LAYER_JSON",
                  help="times nothing: writes one report from earlier runs' layer.json (e.g. one per --sections)")
   a = p.parse_args(argv)
+  timing = {"--quick": a.quick, "--sections": a.sections, "--seqs": a.seqs, "--batches": a.batches,
+            "--levels": a.levels, "--calls": a.calls, "--backends": a.backends}
+  if a.merge and (given := [flag for flag, v in timing.items() if v]):  # merge times nothing: it would drop them
+    p.error(f"--merge times nothing and writes every row of its files: {', '.join(given)} would be ignored")
+  a.sections = a.sections or ["default", "seq", "batch", "heads", "headdim"]
+  a.levels = a.levels or ["core", "layer"]
+  for flag, values, section in (("--seqs", a.seqs, "seq"), ("--batches", a.batches, "batch")):
+    if values and section not in a.sections:
+      p.error(f"{flag} sets the {section} section's points; --sections {' '.join(a.sections)} has no {section}")
   missing = [path for path in a.merge or [] if not os.path.isfile(path)]
   if missing:
     p.error(f"--merge: no such file: {', '.join(missing)}")

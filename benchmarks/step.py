@@ -40,8 +40,9 @@ def main(argv=None) -> None:
   p = cli.Parser(prog="python -m benchmarks.step", description=cli.description(__doc__))
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
-  p.add_argument("--seq-len", type=int, help="default: the preset's context (1024 for gpt2-small)")
-  p.add_argument("--batch-size", type=int, default=32)
+  one = cli.int_at_least(1)
+  p.add_argument("--seq-len", type=one, help="default: the preset's context (1024 for gpt2-small)")
+  p.add_argument("--batch-size", type=one, default=32, help="rows of the timed batch (default 32)")
   p.add_argument("--kernels", choices=models.KERNELS, default="auto", help="the step's own GPU kernels")
   a = p.parse_args(argv)
   a.seq_len = models.PRESETS[a.preset].seq_len if a.seq_len is None else a.seq_len

@@ -44,12 +44,20 @@ def render(directory: str, rel: str, note: str | None = None) -> str:
            "bf16 programs above the same-run matmul's rate (check their FLOP count): " + "; ".join(over) + ".")
   above += " FP8 rows (`peak` fp8) may: FP8 products run at up to twice bf16's dense peak."
   note = f"\n{note}\n" if note else ""
+  calls = sorted({r["calls"] for r in rows + fp8["rows"] if r.get("calls")})  # per-call timings: layer, fp8
+  calls = " or ".join(map(str, calls)) or "the recorded number of"
+  decode = [n for n in ("decode.json", "decode-batch1/decode.json") if os.path.isfile(os.path.join(directory, n))]
+  decode_calls = " or ".join(map(str, sorted({r["calls"] for n in decode for r in _load(directory, n)["rows"]
+                                              if r.get("calls")}))) or "their recorded number of"
+  default_levels = " and ".join(dict.fromkeys(r["level"] for r in rows if r["section"] == "default")) or "no level"
   return f"""# Benchmark results: one {env['device']}
 
 Made with jax {env['jax']}, flax {env['flax']}, Python {env['python']} on {env['devices']} x {env['device']}
 (cuDNN {env.get("cudnn", "not recorded")}, TransformerEngine {env.get("transformer_engine", "not recorded")}). Regenerate with
 `bash benchmarks/h200.sh`; this page with `python -m benchmarks.summary {directory}`.
-Every time is the median of 20 timed calls after compilation and warm-up. Per-call
+Every per-call time (layer, fp8) is the median of {calls} timed calls after compilation and warm-up;
+the wrapper table's, the median over rounds of such medians; the decode sections', of {decode_calls} calls
+(decode.json's `calls`); training rates, the median of the logged intervals after the first. Per-call
 `tflops` count the FLOPs the math needs (`benchmarks/flops.py`: attention 4·B·N·T·S·H
 forward, halved when causal, backward twice the forward; projections 2·M·K·N), a lower
 bound of what each backend executes; `vs_matmul` is that rate over an 8192³ bf16 matmul
@@ -88,7 +96,7 @@ Layer at T=16384, causal:
 
 {report.markdown_table(heads, ["backend", "N", "K", "T", "H", "median_ms", "kv_cache_bytes_per_token"])}
 
-## Default shape (B4 T128 N8 H64): every backend, core and layer
+## Default shape (B4 T128 N8 H64): every backend ({default_levels})
 
 {img("layer_default.png")}
 

@@ -7,8 +7,8 @@ of an 8192^3 bf16 matmul that this benchmark's parent process times right after 
 training runs (same machine and invocation; the GPU is free of the children by then), time
 to first step, peak memory and the loss after the run. te-fp8 runs with --fp8-core
 fp8-or-bf16, so a model whose head dim does not qualify for the FP8 core trains with FP8
-projections and a bf16 core (its row says so). A backend that cannot run is a row with its
-reason.
+projections and a bf16 core (its row's attention_notes, the trainer's summary of how its attention
+calls ran, says so). A backend that cannot run is a row with its reason.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
                 "time_to_first_step_s": s["time_to_first_step_s"],
                 "peak_memory_gib": s["peak_memory_bytes"] and s["peak_memory_bytes"] / 2**30,
                 "final_loss": s["final_loss"], "val_loss": s.get("final_val_loss"),
-                **_clocks(gpu)}
+                "attention_notes": "; ".join(s.get("attention_notes") or []) or None, **_clocks(gpu)}
 
 
 def model_flop_rate(backend: str, tokens_per_s: float, flops_per_token: float) -> float:
@@ -111,7 +111,8 @@ def table(rows: list[dict]) -> str:
           "vs_unpacked", "vs_cudnn", "mfu", "vs_matmul", "vs_sustained_matmul", "time_to_first_step_s", "peak_memory_gib",
           "final_loss", "val_loss", *CLOCK_COLS]
   reasons = [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
-  return report.markdown_table(rows, cols) + "\n" + "\n".join(reasons)
+  notes = sorted({f"\n{r['backend']} T={r['seq_len']}: {r['attention_notes']}" for r in rows if r.get("attention_notes")})
+  return report.markdown_table(rows, cols) + "\n" + "\n".join(reasons + notes)
 
 
 def main(argv=None) -> None:
@@ -124,8 +125,9 @@ def main(argv=None) -> None:
                  help="default: the preset's context (1024 for gpt2-small)")
   p.add_argument("--batch-size", type=one, nargs="+", default=[32],
                  help="global batch; one value for every --seq-len, or one per --seq-len; default: 32")
-  p.add_argument("--steps", type=one, default=40,
-                 help="steps per run (default 40); the rate is the median of the reported intervals after the first")
+  p.add_argument("--steps", type=cli.int_at_least(2), default=40,
+                 help="steps per run, at least 2 (default 40): the first step compiles and no interval ends at it, so "
+                      "the rate is the median of the reported intervals after the first")
   p.add_argument("--packing", nargs="+", choices=PACKINGS, default=["unpacked"],
                  help="unpacked windows, packed documents (train --pack), or both side by side; with packed, every "
                       "run reports val_loss at its last step (the same unpacked windows in both modes)")

@@ -3,6 +3,7 @@ output kind, rates that are the formula over the measured time, differences to t
 on unavailable rows."""
 
 import csv
+import dataclasses
 import itertools
 import json
 import math
@@ -151,6 +152,33 @@ def test_a_training_rate_above_the_devices_peak_stops_the_benchmark(monkeypatch)
   assert bench_train.model_flop_rate("te-fp8", 1e6, 1.1e9) == pytest.approx(1.1e15)  # under FP8's 2e15
   with pytest.raises(flops.ImpossibleRate, match="fp8 dense peak"):
     bench_train.model_flop_rate("te-fp8", 1e6, 2.1e9)
+
+
+@pytest.mark.parametrize("kind, tflops", [
+    ("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA GH200 480GB", 989), ("NVIDIA H100 PCIe", 756),
+    ("NVIDIA H100 NVL", 835), ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA L40S", 362),
+    ("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA A10", 125), ("NVIDIA A10G", None), ("NVIDIA H800", None)])
+def test_each_device_gets_its_own_boards_dense_peak(kind, tflops):
+  """By whole model name: a substring match read an L40 as an L4 (a true rate above 121 TFLOP/s then stopped the
+  benchmark as impossible, and MFU was 1.5x too high), an A10G as an A10, an H100 PCIe as the SXM board."""
+  from train import metrics
+  assert metrics.peak_for(kind) == (tflops and tflops * 1e12)
+
+
+def test_a_training_row_says_how_its_attention_ran(monkeypatch):
+  """te-fp8 with --fp8-core fp8-or-bf16 may run TE's bf16 core (gpt2-small's head dim 64): the trainer's summary
+  carries the plans' notes and the benchmark's row and table show them."""
+  import attnlayers
+  from benchmarks import train as bench_train
+  from train import report as train_report
+  cfg = models.preset("tiny", backend="xla")
+  bf16_core = "core: TransformerEngine bf16 fused attention (fp8_core='fp8-or-bf16'), because ..."
+  plan = attnlayers.explain("xla", *[jax.ShapeDtypeStruct((2, 8, cfg.n_head, cfg.head_dim), jnp.float32)] * 3)
+  monkeypatch.setattr(train_report, "attention_plans", lambda *a: [dataclasses.replace(plan, notes=(bf16_core,))] * 2)
+  assert train_report.attention_notes(cfg, 2) == [bf16_core]  # once, whatever the number of layer kinds
+  row = {"backend": "te-fp8", "preset": "tiny", "seq_len": 64, "batch_size": 2, "status": "ok",
+         "attention_notes": bf16_core}
+  assert f"te-fp8 T=64: {bf16_core}" in bench_train.table([row])
 
 
 def test_steady_times_traces_and_rates_the_trainer_step_against_both_matmuls(tmp_path, capsys):
@@ -401,7 +429,11 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
     ("benchmarks.layer", ["--merge", "/nonexistent/layer.json"], "--merge: no such file: /nonexistent/layer.json"),
     ("benchmarks.layer", ["--quick", "--sections", "window", "--backends", "cudnn-raw"],
      "no rows: --sections window has no row of --backends cudnn-raw"),
-    ("benchmarks.train", ["--steps", "0"], "--steps: must be >= 1, got 0"),
+    ("benchmarks.layer", ["--merge", "runs/x.json", "--backends", "naive", "--calls", "5"],
+     "--merge times nothing and writes every row of its files: --calls, --backends would be ignored"),
+    ("benchmarks.layer", ["--quick", "--sections", "default", "--seqs", "64"],
+     "--seqs sets the seq section's points; --sections default has no seq"),
+    ("benchmarks.train", ["--steps", "1"], "--steps: must be >= 2, got 1"),
     ("benchmarks.train", ["--matmul-n", "0"], "--matmul-n: must be >= 1, got 0"),
     ("benchmarks.train", ["--seq-len", "-8"], "--seq-len: must be >= 1, got -8"),
     ("benchmarks.train", ["--run-timeout", "0"], "--run-timeout: must be a finite number > 0, got 0"),
@@ -413,9 +445,14 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
     ("benchmarks.fp8_train", ["--n-head", "3"], "d_model (512) must be divisible by n_head (3)"),
     ("benchmarks.wrapper", ["--seqs", "0"], "--seqs: must be >= 1, got 0"),
     ("benchmarks.wrapper", ["--rounds", "0"], "--rounds: must be >= 1, got 0"),
-], ids=["layer-seqs-0", "layer-calls-0", "layer-merge-missing", "layer-no-rows", "train-steps-0", "train-matmul-0",
+    ("benchmarks.decode", ["--quick", "--calls", "0"], "--calls: must be >= 1, got 0"),
+    ("benchmarks.step", ["--preset", "tiny", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
+    ("benchmarks.steady", ["--preset", "tiny", "--seq-len", "0"], "--seq-len: must be >= 1, got 0"),
+], ids=["layer-seqs-0", "layer-calls-0", "layer-merge-missing", "layer-no-rows", "layer-merge-ignores",
+        "layer-seqs-without-seq", "train-steps-1", "train-matmul-0",
         "train-seq-len-negative", "train-run-timeout-0", "fp8-calls-0", "fp8-core-T-0", "fp8-layer-D-N",
-        "fp8_train-lr-0", "fp8_train-batch-0", "fp8_train-heads", "wrapper-seqs-0", "wrapper-rounds-0"])
+        "fp8_train-lr-0", "fp8_train-batch-0", "fp8_train-heads", "wrapper-seqs-0", "wrapper-rounds-0",
+        "decode-calls-0", "step-batch-0", "steady-seq-len-0"])
 def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message):
   proc = subprocess.run([sys.executable, "-m", module, *args, "--out", "/nonexistent-out"], cwd=ROOT,
                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)

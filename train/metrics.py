@@ -10,14 +10,25 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 
 import jax
 
 from train import undo
 
-# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by device_kind substring.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12}
+# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by the model name in device_kind ("NVIDIA H100 80GB HBM3"),
+# the first listed that matches as a whole word (peak_for). A plain substring read "NVIDIA L40" (181) as an L4
+# (121) and "NVIDIA A10G" as an A10, and gave the H100 PCIe (756) and the H100 and H200 NVL (835) the SXM
+# boards' 989. Unlisted models (an A10G, an H800) have no peak (MFU null, no check), not another board's.
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12,
+             "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12}
+
+
+def peak_for(kind: str) -> float | None:
+  """PEAK_BF16's entry for a device_kind, None where no model name in it is listed."""
+  return next((v for k, v in PEAK_BF16.items()
+               if re.search(rf"(?<![A-Za-z0-9]){re.escape(k)}(?![A-Za-z0-9])", kind)), None)
 
 
 def peak_flops(override_tflops: float | None = None) -> float | None:
@@ -27,7 +38,7 @@ def peak_flops(override_tflops: float | None = None) -> float | None:
   if device.platform != "gpu":
     return None
   kind = getattr(device, "device_kind", "")
-  return next((v for k, v in PEAK_BF16.items() if k in kind), None)
+  return peak_for(kind)
 
 
 def peak_memory_bytes() -> int | None:

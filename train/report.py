@@ -39,6 +39,12 @@ def attention_ran(cfg: models.GPTConfig, batch_size: int, pack: bool = False) ->
   return plans.ran(attention_plans(cfg, batch_size, pack))
 
 
+def attention_notes(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> list[str]:
+  """How those calls run where the backend's name does not say it, once each (attnlayers.explain's notes): e.g.
+  te-fp8 with fp8_core='fp8-or-bf16' on a head dim the FP8 core does not take runs TE's bf16 core."""
+  return list(dict.fromkeys(n for p in attention_plans(cfg, batch_size, pack) for n in p.notes))
+
+
 def summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) -> dict:
   cfg, mcfg = s.cfg, s.cfg.model
   steps_per_s = s.throughput.steady_steps_per_s()
@@ -50,6 +56,7 @@ def summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) 
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
       "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
+      "attention_notes": attention_notes(mcfg, cfg.batch_size, cfg.pack),
       "kernels": kernels.resolve(mcfg.kernels)[0],  # the loss's, the LayerNorms' and bias + GELU's
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
