@@ -104,9 +104,9 @@ The `default` table in [layer.md]({rel}/layer.md) gives each backend's max |diff
 
 ## attnlayers.attention vs the kernel called directly
 
-`same_hlo_ops`: our compiled program has exactly the raw kernel's operations (counted by
-opcode, fused bodies included), so the wrapper adds no transpose, cast or copy. `ratio` is
-median(ours) / median(raw) over alternating rounds of 20 calls.
+`same_hlo_ops`: our compiled program has exactly the raw kernel's operations ({_compared(wrapper["rows"])}),
+so the wrapper adds no transpose, cast or copy. `ratio` is median(ours) / median(raw) over alternating rounds of
+20 calls.
 
 {report.markdown_table(wrapper["rows"], ["backend", "T", "causal", "pass", "ours_ms", "raw_ms", "ratio", "same_hlo_ops"])}
 
@@ -161,6 +161,14 @@ INCLUDED = [  # reports kept as their benchmark wrote them: (path under the resu
     ("gpt2-small/step.md", "gpt2-small: one step by parts (`benchmarks.step --attn cudnn`)"),
     ("gpt2-small/trace.md", "gpt2-small: one step's GPU kernels (`train --profile-dir`, `benchmarks.trace`)"),
 ]
+
+
+def _compared(rows: list[dict]) -> str:
+  """What the wrapper rows' same_hlo_ops compared: their hlo_compared (benchmarks.wrapper.COMPARED), or for rows
+  written before it was recorded, what that version compared."""
+  said = sorted({r.get("hlo_compared", "opcode counts, fused bodies included; custom calls by count, not by target "
+                                        "or settings") for r in rows})
+  return "; ".join(said)
 
 
 def _included(directory: str, rel: str, name: str, title: str) -> str:

@@ -3,7 +3,8 @@
 The raw kernels are called as a user would without attnlayers: jax.nn.dot_product_attention
 (implementation="cudnn") and TransformerEngine's fused_attn. For each (backend, T, causal,
 pass) the two programs are (1) compared op by op in the compiled HLO (a wrapper that adds a
-transpose, cast or copy shows up there) and (2) timed in alternating rounds, so clock and
+transpose, cast or copy shows up there, and a kernel called with other settings, a mask type
+or scale, is another op) and (2) timed in alternating rounds, so clock and
 thermal drift hit both alike; the ratio is median(ours) / median(raw) over the rounds.
 Writes wrapper.json and wrapper.md to --out.
 """
@@ -11,6 +12,7 @@ Writes wrapper.json and wrapper.md to --out.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 
@@ -42,10 +44,60 @@ _OP = re.compile(r"=\s+(?:\([^=]*?\)|\S+)\s+([a-z][\w-]*)\(")
 _IGNORED = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
 
 
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_SCHEDULING = ("operation_queue_id", "wait_on_operation_queues", "algorithm")  # where and how, not what, it runs
+COMPARED = "opcode counts (fused bodies included); each custom call by its target and settings"  # rows' hlo_compared
+
+
 def hlo_ops(fn, *args) -> collections.Counter:
-  """Instruction counts by opcode (fused bodies included) of fn's compiled program."""
-  text = jax.jit(fn).lower(*args).compile().as_text()
-  return collections.Counter(op for op in _OP.findall(text) if op not in _IGNORED)
+  """Instruction counts of fn's compiled program (fused bodies included): by opcode, each custom call by its
+  target and its settings (custom_call_key), so a kernel called with another mask or scale is another op."""
+  return count_ops(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def count_ops(hlo: str) -> collections.Counter:
+  """hlo_ops of an HLO module's text."""
+  ops = collections.Counter()
+  for line in hlo.splitlines():
+    for op in _OP.findall(line):
+      if op not in _IGNORED:
+        ops[custom_call_key(line) if op == "custom-call" else op] += 1
+  return ops
+
+
+def custom_call_key(line: str) -> str:
+  """'custom-call TARGET SETTINGS' for an HLO custom-call instruction: its backend_config (for cuDNN's attention,
+  mask type, scale, dropout, layouts...) without the fields that say where and with which algorithm it runs (a
+  stream, the autotuned engine), as sorted JSON; a config that is not JSON (an FFI call's attributes) as written."""
+  target = _TARGET.search(line)
+  at = line.find("backend_config=")
+  config = ""
+  if at >= 0:
+    text = line[at + len("backend_config="):]
+    try:
+      config = json.dumps(_without_scheduling(json.JSONDecoder().raw_decode(text)[0]), sort_keys=True)
+    except ValueError:
+      config = _balanced(text)
+  return f"custom-call {target.group(1) if target else '?'} {config}".rstrip()
+
+
+def _without_scheduling(value):
+  if isinstance(value, dict):
+    return {k: _without_scheduling(v) for k, v in value.items() if k not in _SCHEDULING}
+  return value
+
+
+def _balanced(text: str) -> str:
+  """The leading {...} (or "...") of `text` with its nesting closed, else `text` up to the next ', ' attribute."""
+  if text[:1] == '"':
+    end = text.find('"', 1)
+    return text[:end + 1] if end > 0 else text
+  depth = 0
+  for i, c in enumerate(text):
+    depth += {"{": 1, "}": -1}.get(c, 0)
+    if depth == 0:
+      return text[:i + 1] if text[:1] == "{" else text.split(", ")[0]
+  return text
 
 
 def programs(backend: str, causal: bool, pass_: str, shape):
@@ -73,7 +125,7 @@ def measure(backend, T, causal, pass_, N, H, B, rounds, calls) -> dict:
   diff = sorted(f"{op}: {ops_ours[op]} vs {ops_raw[op]}" for op in ops_ours | ops_raw if ops_ours[op] != ops_raw[op])
   return row | {"ours_ms": float(np.median(t_ours)), "raw_ms": float(np.median(t_raw)),
                 "ratio": float(np.median(t_ours) / np.median(t_raw)), "same_hlo_ops": not diff,
-                "hlo_op_differences": "; ".join(diff)}
+                "hlo_compared": COMPARED, "hlo_op_differences": "; ".join(diff)}
 
 
 def main(argv=None) -> None:

@@ -506,3 +506,25 @@ def test_help_describes_each_benchmark_with_its_docstrings_whole_first_paragraph
   assert e.value.code == 0
   first = " ".join(module.__doc__.split("\n\n")[0].split())
   assert first in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_wrapper_comparison_tells_custom_calls_apart_by_target_and_settings():
+  """benchmarks.wrapper's op counts key a custom call by its target and backend_config, less where and with which
+  engine it runs: the same cuDNN call on another stream or algorithm is the same op; with another mask type, or
+  the backward kernel, it is not. A config that is not JSON (an FFI call's attributes) is compared as written."""
+  from benchmarks import wrapper
+  def call(target="__cudnn$fmhaSoftmax", mask="CAUSAL", queue="0", algo="0"):
+    return (f'  fmha = (bf16[2,16,1024,128]{{3,2,1,0}}, u8[0]{{0}}) custom-call(p0, p1, p2), custom_call_target="'
+            f'{target}", api_version=API_VERSION_STATUS_RETURNING, backend_config={{"operation_queue_id": "{queue}", '
+            f'"wait_on_operation_queues": [], "cudnn_fmha_backend_config": {{"algorithm": {{"algo_id": "{algo}"}}, '
+            f'"fmha_scale": 0.088, "mask_type": "{mask}"}}}}, metadata={{op_name="x"}}')
+  base = wrapper.count_ops("\n".join([call(), "  t = bf16[2]{0} transpose(p0), dimensions={0}"]))
+  assert base["transpose"] == 1 and sum(base.values()) == 2
+  assert wrapper.count_ops(call(queue="3", algo="7")) == wrapper.count_ops(call())
+  assert wrapper.count_ops(call(mask="NO_MASK")) != wrapper.count_ops(call())
+  assert wrapper.count_ops(call(target="__cudnn$fmhaSoftmaxBackward")) != wrapper.count_ops(call())
+  ffi = ('  c = f32[4]{0} custom-call(p0), custom_call_target="te_fused_attn_forward_ffi", '
+         'api_version=API_VERSION_TYPED_FFI, backend_config={attn_mask_type = %d : i64, scale = 1.0 : f32}, x={y}')
+  assert list(wrapper.count_ops(ffi % 2)) == [
+      "custom-call te_fused_attn_forward_ffi {attn_mask_type = 2 : i64, scale = 1.0 : f32}"]
+  assert wrapper.count_ops(ffi % 2) != wrapper.count_ops(ffi % 0)
