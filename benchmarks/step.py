@@ -32,7 +32,7 @@ from benchmarks import common
 from attnlayers.fp8 import FP8Meta
 from models import kernels
 from models.loss import head_cross_entropy
-from train import optim
+from train import optim, report
 from train.step import STEP_COMPILER_OPTIONS, batch_loss
 
 
@@ -89,7 +89,8 @@ def main(argv=None) -> None:
           lambda w, h, y: head_cross_entropy(h, w.astype(h.dtype), y, logits_dtype=h.dtype, kernel="xla"),
           (0, 1))), wte, h, y),
   }
-  print(json.dumps({"config": a.__dict__, "kernels": kernels.resolve(a.kernels),
+  print(json.dumps({"config": a.__dict__, "attention_ran": report.attention_ran(cfg, a.batch_size),
+                    "attention_notes": report.attention_notes(cfg, a.batch_size), "kernels": kernels.resolve(a.kernels),
                     "compiler_options": STEP_COMPILER_OPTIONS} | common.environment()))
   for name, t in parts.items():
     print(f"{name:>31}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")
