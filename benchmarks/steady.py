@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import attnlayers
 from attnlayers import cli
 import models
+from models import plans
 from benchmarks import clocks, common, report, trace, train
 from train import loop
 from train.step import build
@@ -113,7 +114,13 @@ def main(argv=None) -> list[dict]:
     if getattr(a, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be at least 1; got {getattr(a, flag)}")
   fp8_core = {"fp8_core": train.FP8_CORE} if a.attn == "te-fp8" else {}  # as benchmarks.train runs te-fp8
-  mcfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, **fp8_core)
+  try:
+    mcfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, **fp8_core)
+  except ValueError as e:
+    p.error(str(e))
+  common.refuse_unless_runnable({f"--attn {a.attn}": plans.attention_plans(mcfg, a.batch_size, a.seq_len)},
+                                "This benchmark times the training step with that attention kernel: run it where "
+                                "the kernel runs, or give another --attn")
   cfg = loop.TrainConfig(model=mcfg, batch_size=a.batch_size, steps=a.warmup + 2 * a.steps + a.trace_steps,
                          progress=False)
   model, state = build(cfg, NamedSharding(loop.data_mesh(jax.devices()[:1]), P()))

@@ -30,7 +30,7 @@ from attnlayers import cli
 import models
 from benchmarks import common
 from attnlayers.fp8 import FP8Meta
-from models import kernels
+from models import kernels, plans
 from models.loss import head_cross_entropy
 from train import optim, report
 from train.step import STEP_COMPILER_OPTIONS, batch_loss
@@ -46,7 +46,14 @@ def main(argv=None) -> None:
   p.add_argument("--kernels", choices=models.KERNELS, default="auto", help="the step's own GPU kernels")
   a = p.parse_args(argv)
   a.seq_len = models.PRESETS[a.preset].seq_len if a.seq_len is None else a.seq_len
-  cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, kernels=a.kernels)
+  try:
+    cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, kernels=a.kernels)
+    kernels.resolve(a.kernels)  # kernels pallas off a CUDA GPU
+  except ValueError as e:
+    p.error(str(e))
+  common.refuse_unless_runnable({f"--attn {a.attn}": plans.attention_plans(cfg, a.batch_size, a.seq_len)},
+                                "This benchmark times the training step with that attention kernel: run it where "
+                                "the kernel runs, or give another --attn")
   graphdef, params, fp8 = nnx.split(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param, FP8Meta)  # fp8: te-fp8's state
   xla_model = nnx.eval_shape(lambda: models.GPT(dataclasses.replace(cfg, kernels="xla"), rngs=nnx.Rngs(0)))
   graphdef_xla = nnx.split(xla_model, nnx.Param, FP8Meta)[0]  # only its graph: the parameters are shapes

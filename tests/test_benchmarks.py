@@ -460,6 +460,21 @@ def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message):
   assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-1500:]
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="cuDNN runs here: nothing to refuse")
+@pytest.mark.parametrize("name", ["step", "steady"])
+def test_step_benchmarks_refuse_an_attention_kernel_that_cannot_run_in_one_line(name, capsys, monkeypatch):
+  """benchmarks.step and benchmarks.steady say why --attn cudnn cannot run here, before building anything (they
+  ended in a traceback from inside the first timed call)."""
+  from benchmarks import step
+  main = {"step": step.main, "steady": steady.main}[name]
+  monkeypatch.setattr(models, "GPT", lambda *a, **k: pytest.fail("built the model"))
+  with pytest.raises(SystemExit) as e:
+    main(["--preset", "tiny", "--attn", "cudnn", "--batch-size", "2", "--seq-len", "32"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith("error: --attn cudnn: cuDNN fused attention needs an NVIDIA GPU"), err
+  assert "give another --attn" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_train_benchmark_exits_non_zero_when_every_run_failed(tmp_path):
   """Each run's reason is printed, no report replaces one already in --out, and the exit status says so."""
   proc = subprocess.run([sys.executable, "-m", "benchmarks.train", "--preset", "tiny", "--backends", "xla",
