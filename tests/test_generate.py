@@ -263,6 +263,10 @@ def test_bad_prompts_are_clear_errors(prompts, new, message):
     ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
     ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
     ({"top_k": 0}, "top_k must be an integer >= 1"),
+    ({"seed": 2**32}, r"seed must be an integer in \[0, 2\*\*32\)"),  # jax.random.key(2**32) is key(0): same draws
+    ({"seed": 2**63}, r"seed must be an integer in \[0, 2\*\*32\)"),  # jax.random.key raised OverflowError
+    ({"seed": -1}, r"seed must be an integer in \[0, 2\*\*32\)"),
+    ({"seed": 1.5}, r"seed must be an integer in \[0, 2\*\*32\)"),  # a TypeError from inside the compiled prefill
 ])
 def test_bad_sampling_is_a_clear_error(kw, message):
   with pytest.raises(ValueError, match=message):

@@ -171,6 +171,8 @@ BAD = {
     "top-k-0": (lambda t, d: ["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     "negative-temperature": (lambda t, d: ["--temperature", "-1"], "argument --temperature: must be a finite number"),
     "nan-temperature": (lambda t, d: ["--temperature", "nan"], "argument --temperature: must be a finite number"),
+    "seed-past-32-bits": (lambda t, d: ["--seed", str(2**32)], "argument --seed: must be below 2**32 (4294967296), "
+                          "got 4294967296: jax's random key keeps 32 bits"),  # it sampled what --seed 0 samples
     "batch-0": (lambda t, d: ["--batch", "0"], "argument --batch: must be >= 1, got 0"),
     "no-latest-run": (lambda t, d: [], "no --ckpt-dir given and no runs/latest here"),
 }
