@@ -278,6 +278,14 @@ def test_top_k_beyond_the_vocabulary_is_a_clear_error():
     generate(model(config(n_layer=1)), [PROMPTS[0]], max_new_tokens=3, sampling=Sampling(top_k=65))
 
 
+def test_token_ids_outside_the_vocabulary_are_a_clear_error():
+  """The lookup read id -1 as the last token's row (finite, wrong logits) and ids >= vocab_size as NaN."""
+  m = model(config(n_layer=1))
+  for bad in (-1, 64):
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size=64\); got values in"):
+      m(jnp.array([[1, bad]], jnp.int32))
+
+
 def test_decode_calls_of_the_model_check_their_input():
   m = model(config(n_layer=1))
   with pytest.raises(ValueError, match="call model.init_cache"):
