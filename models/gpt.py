@@ -161,11 +161,12 @@ class GPT(nnx.Module):
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"tokens must be integer ids (B, T); got {tokens.dtype}")
     if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # known: check (the embedding lookup would read
-      lo, hi = int(np.min(tokens)), int(np.max(tokens))  # id -1 as the last row and give NaN past the table)
+      ids = np.asarray(tokens)  # id -1 as the last row and give NaN past the table); numpy's own min, also in a jit
+      lo, hi = int(ids.min()), int(ids.max())
       if lo < 0 or hi >= self.cfg.vocab_size:
         raise ValueError(f"tokens must be ids in [0, vocab_size={self.cfg.vocab_size}); got values in [{lo}, {hi}]")
     if positions is not None and not isinstance(positions, jax.core.Tracer):  # known: check (traced: unchecked)
-      lo, hi = int(np.min(positions)), int(np.max(positions))
+      lo, hi = int(np.asarray(positions).min()), int(np.asarray(positions).max())  # numpy's min, also in a jit
       if lo < 0 or hi >= self.cfg.seq_len:
         raise ValueError(f"positions must lie in [0, seq_len={self.cfg.seq_len}); got values in [{lo}, {hi}]")
     if decode:

@@ -286,6 +286,18 @@ def test_token_ids_outside_the_vocabulary_are_a_clear_error():
       m(jnp.array([[1, bad]], jnp.int32))
 
 
+def test_known_tokens_and_positions_are_checked_inside_a_jit_too():
+  """Arrays a jitted function closes over are known, and checked; np.min(positions) called the jax array's own
+  min there, a tracer, and int() of it raised ConcretizationTypeError."""
+  m = model(config(n_layer=1))
+  tokens, positions = jnp.ones((1, 4), jnp.int32), jnp.arange(4)[None]
+  np.testing.assert_allclose(jax.jit(lambda: m(tokens, positions=positions))(), m(tokens, positions=positions),
+                             rtol=1e-5, atol=1e-5)  # fused under jit: float32 rounding apart
+  with pytest.raises(ValueError, match="positions must lie in"):
+    far = positions + 100  # known (computed outside the jit)
+    jax.jit(lambda: m(tokens, positions=far))()
+
+
 def test_decode_calls_of_the_model_check_their_input():
   m = model(config(n_layer=1))
   with pytest.raises(ValueError, match="call model.init_cache"):
