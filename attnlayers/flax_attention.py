@@ -34,6 +34,8 @@ def _flatten_ids(ids, batch: tuple[int, ...]):
     return None
   if isinstance(ids, (tuple, list)):
     return tuple(_flatten_ids(x, batch) for x in ids)
+  if not hasattr(ids, "ndim"):  # not an array (a nested list): attnlayers.attention says what it takes
+    return ids
   return ids.reshape((math.prod(batch), ids.shape[-1])) if ids.ndim == len(batch) + 1 else ids
 
 

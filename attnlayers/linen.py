@@ -245,8 +245,8 @@ class SelfAttention(MultiHeadDotProductAttention):
 
   @nn.compact
   def __call__(self, inputs_q, mask=None, deterministic: bool | None = None, dropout_rng=None,  # type: ignore[override]
-               sow_weights: bool = False, is_causal: bool | None = None, segment_ids=None,
+               sow_weights: bool = False, is_causal: bool | None = None, lengths=None, segment_ids=None,
                sliding_window=spec.LAYER_DEFAULT, max_segments=None):
     return super().__call__(inputs_q, mask=mask, deterministic=deterministic, dropout_rng=dropout_rng,
-                            sow_weights=sow_weights, is_causal=is_causal, segment_ids=segment_ids,
+                            sow_weights=sow_weights, is_causal=is_causal, lengths=lengths, segment_ids=segment_ids,
                             sliding_window=sliding_window, max_segments=max_segments)

@@ -185,9 +185,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       if query.shape[:-2] != key.shape[:-2]:
         raise ValueError(f"the queries ({tuple(query.shape)}) and keys ({tuple(key.shape)}) of a decode call must "
                          "share (*batch, T): T new tokens per row")
-      key, value, self.cache_index[...], attend = kv_cache.append(
+      key, value, index, attend = kv_cache.append(
           self.cached_key[...], self.cached_value[...], self.cache_index[...], key, value, lengths)
       self.cached_key[...], self.cached_value[...] = key, value
+      # set_value, not [...] =: a cache Flax's own init_cache made (or its state, nnx.update'd in) holds one scalar
+      # index for the batch, which kv_cache.append reads as every row's; from here on each row has its own
+      self.cache_index.set_value(index)
     dropout_rng = None
     if self.dropout_rate > 0.0:
       deterministic = self.deterministic if deterministic is None else deterministic

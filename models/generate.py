@@ -29,6 +29,7 @@ from models import plans
 from models.gpt import GPT
 
 BUCKET = 64  # prompt and cache lengths are rounded up to a multiple of this (capped at seq_len)
+SEEDS = 2**32  # Sampling.seed lies below: without jax_enable_x64 jax.random.key(seed) keeps the low 32 bits
 NO_STOP = -1  # the stop token's runtime value when there is none: no sampled id equals it
 
 
@@ -36,9 +37,13 @@ NO_STOP = -1  # the stop token's runtime value when there is none: no sampled id
 class Sampling:
   temperature: float = 1.0  # 0 = greedy (argmax); otherwise logits / temperature
   top_k: int | None = None  # keep the k most likely tokens; None = all
-  seed: int = 0  # the random stream of the whole generation
+  seed: int = 0  # the random stream of the whole generation: an int in [0, SEEDS)
 
   def __post_init__(self):
+    s = self.seed
+    if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < SEEDS:
+      raise ValueError(f"seed must be an integer in [0, 2**32) ({SEEDS}); got {s!r}: jax.random.key keeps its low "
+                       "32 bits here (seed 2**32 + s would draw what seed s draws, and from 2**63 it fails)")
     t = self.temperature
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
       raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {t!r}")

@@ -144,6 +144,8 @@ class GPT(nnx.Module):
     (right padding; default all), and the caches advance by that much. last_only: (B, 1, D) at
     each row's last real token only (a prefill needs no others' logits; saves (B, T, V)).
     """
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be (B, T) ids, one row per sequence; got shape {tuple(tokens.shape)}")
     B, T = tokens.shape
     if lengths is not None and not decode:
       raise ValueError("lengths= applies with decode=True only (tokens appended to a KV cache)")
@@ -156,8 +158,15 @@ class GPT(nnx.Module):
       if ids is not None and (tuple(ids.shape) != (B, T) or not jnp.issubdtype(ids.dtype, jnp.integer)):
         raise ValueError(f"{name} must be an int array of the tokens' shape (B, T) = {(B, T)}; "
                          f"got {ids.dtype} of shape {tuple(ids.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"tokens must be integer ids (B, T); got {tokens.dtype}")
+    if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # known: check (the embedding lookup would read
+      ids = np.asarray(tokens)  # id -1 as the last row and give NaN past the table); numpy's own min, also in a jit
+      lo, hi = int(ids.min()), int(ids.max())
+      if lo < 0 or hi >= self.cfg.vocab_size:
+        raise ValueError(f"tokens must be ids in [0, vocab_size={self.cfg.vocab_size}); got values in [{lo}, {hi}]")
     if positions is not None and not isinstance(positions, jax.core.Tracer):  # known: check (traced: unchecked)
-      lo, hi = int(np.min(positions)), int(np.max(positions))
+      lo, hi = int(np.asarray(positions).min()), int(np.asarray(positions).max())  # numpy's min, also in a jit
       if lo < 0 or hi >= self.cfg.seq_len:
         raise ValueError(f"positions must lie in [0, seq_len={self.cfg.seq_len}); got values in [{lo}, {hi}]")
     if decode:

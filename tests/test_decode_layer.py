@@ -193,3 +193,21 @@ def test_decoding_past_the_cache_under_jit_gives_nan_rows(backend):
   assert np.isnan(out[1]).all(), "row 1 writes 3 tokens at position 4 of a cache of 6"
   assert np.isfinite(out[0]).all()
   reference.assert_close(out[0, :2], full[0, 4:], jnp.float32, what=f"{backend} row 0 beside an overflowing row")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_cache_flax_made_decodes_and_takes_one_index_per_row(jit):
+  """A cache from Flax's own init_cache (or its state nnx.update'd in) has one scalar cache_index for the batch.
+  kv_cache.append reads it as every row's position; the layer then keeps one per row. It raised a bare
+  broadcast error ("Cannot broadcast to shape with fewer dimensions"), writing (B,) into the scalar in place."""
+  ours = layer("xla", 2)
+  flax = flax_twin(ours, 2)
+  x = tokens(2, 6)
+  flax.init_cache(x.shape)
+  ours.init_cache(x.shape, dtype=jnp.float32)
+  nnx.update(ours, nnx.state(flax, nnx.Cache))  # Flax's cache: cache_index of shape ()
+  assert ours.cache_index[...].shape == ()
+  step = nnx.jit(lambda m, x: m(x, decode=True)) if jit else (lambda m, x: m(x, decode=True))
+  for t in range(3):
+    np.testing.assert_array_equal(step(ours, x[:, t:t + 1]), flax(x[:, t:t + 1], decode=True), err_msg=f"step {t}")
+  np.testing.assert_array_equal(ours.cache_index[...], [3, 3])

@@ -118,3 +118,16 @@ def test_refused_calls():
   p = custom.init(jax.random.key(0), tokens(2, 4))["params"]
   with pytest.raises(ValueError, match="one token per call"):
     step(custom, p, new_cache(custom, 2, 8), tokens(2, 3))
+
+
+def test_self_attention_takes_lengths_as_the_layer_does():
+  """SelfAttention (Flax's self-attention form) decodes as MultiHeadDotProductAttention; a ragged chunk's
+  lengths= ended in "SelfAttention.__call__() got an unexpected keyword argument 'lengths'"."""
+  params = params_of(2)
+  full = layer("xla", 2, decode=True)
+  selfattn = al.SelfAttention(num_heads=N, num_kv_heads=2, backend="xla", is_causal=True, decode=True)
+  x, real = tokens(2, 4), jnp.array([4, 2], jnp.int32)
+  want, want_cache = step(full, params, new_cache(full, 2, 8), x, lengths=real)
+  got, got_cache = step(selfattn, params, new_cache(selfattn, 2, 8), x, lengths=real)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got_cache["cache_index"], [4, 2])

@@ -263,6 +263,10 @@ def test_bad_prompts_are_clear_errors(prompts, new, message):
     ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
     ({"temperature": float("inf")}, "temperature must be a finite number >= 0"),
     ({"top_k": 0}, "top_k must be an integer >= 1"),
+    ({"seed": 2**32}, r"seed must be an integer in \[0, 2\*\*32\)"),  # jax.random.key(2**32) is key(0): same draws
+    ({"seed": 2**63}, r"seed must be an integer in \[0, 2\*\*32\)"),  # jax.random.key raised OverflowError
+    ({"seed": -1}, r"seed must be an integer in \[0, 2\*\*32\)"),
+    ({"seed": 1.5}, r"seed must be an integer in \[0, 2\*\*32\)"),  # a TypeError from inside the compiled prefill
 ])
 def test_bad_sampling_is_a_clear_error(kw, message):
   with pytest.raises(ValueError, match=message):
@@ -272,6 +276,26 @@ def test_bad_sampling_is_a_clear_error(kw, message):
 def test_top_k_beyond_the_vocabulary_is_a_clear_error():
   with pytest.raises(ValueError, match=r"top_k \(65\) must be <= the model's vocab_size \(64\)"):
     generate(model(config(n_layer=1)), [PROMPTS[0]], max_new_tokens=3, sampling=Sampling(top_k=65))
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error():
+  """The lookup read id -1 as the last token's row (finite, wrong logits) and ids >= vocab_size as NaN."""
+  m = model(config(n_layer=1))
+  for bad in (-1, 64):
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, vocab_size=64\); got values in"):
+      m(jnp.array([[1, bad]], jnp.int32))
+
+
+def test_known_tokens_and_positions_are_checked_inside_a_jit_too():
+  """Arrays a jitted function closes over are known, and checked; np.min(positions) called the jax array's own
+  min there, a tracer, and int() of it raised ConcretizationTypeError."""
+  m = model(config(n_layer=1))
+  tokens, positions = jnp.ones((1, 4), jnp.int32), jnp.arange(4)[None]
+  np.testing.assert_allclose(jax.jit(lambda: m(tokens, positions=positions))(), m(tokens, positions=positions),
+                             rtol=1e-5, atol=1e-5)  # fused under jit: float32 rounding apart
+  with pytest.raises(ValueError, match="positions must lie in"):
+    far = positions + 100  # known (computed outside the jit)
+    jax.jit(lambda: m(tokens, positions=far))()
 
 
 def test_decode_calls_of_the_model_check_their_input():

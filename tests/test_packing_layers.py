@@ -79,3 +79,9 @@ def test_refused_calls():
   params = lin.init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="custom attention_fn"):
     lin.apply(params, x, sliding_window=(1, 0))
+
+
+def test_segment_ids_that_are_not_an_array_get_the_cores_error():
+  """A nested list reached `ids.ndim` in the layers' adapter: AttributeError: 'int' object has no attribute 'ndim'."""
+  with pytest.raises(TypeError, match=r"must be an array .* Wrap it with jnp.asarray\(\)"):
+    layer()(x, segment_ids=np.asarray(SEG).tolist())

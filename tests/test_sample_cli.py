@@ -12,6 +12,7 @@ import shlex
 import shutil
 
 import jax
+import numpy as np
 import pytest
 
 from train import checkpoint, cli, hosts, lock, loop, sample, sample_cli, stepdirs
@@ -171,6 +172,8 @@ BAD = {
     "top-k-0": (lambda t, d: ["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     "negative-temperature": (lambda t, d: ["--temperature", "-1"], "argument --temperature: must be a finite number"),
     "nan-temperature": (lambda t, d: ["--temperature", "nan"], "argument --temperature: must be a finite number"),
+    "seed-past-32-bits": (lambda t, d: ["--seed", str(2**32)], "argument --seed: must be below 2**32 (4294967296), "
+                          "got 4294967296: jax's random key keeps 32 bits"),  # it sampled what --seed 0 samples
     "batch-0": (lambda t, d: ["--batch", "0"], "argument --batch: must be >= 1, got 0"),
     "no-latest-run": (lambda t, d: [], "no --ckpt-dir given and no runs/latest here"),
 }
@@ -207,6 +210,15 @@ def test_the_tokenizer_is_the_datas_and_the_vocabulary_decides_only_where_the_ch
   with pytest.raises(ValueError, match=r"trained on GPT-2 BPE tokens \(ids up to 50256\), more than its "
                                        "vocabulary of 256"):
     sample_cli.tokenizer({"data": "/d/x_*.bin"}, 256)
+
+
+def test_a_prompt_that_is_not_utf8_reaches_a_byte_model_as_its_bytes():
+  """Bytes on the command line that are not UTF-8 arrive as lone surrogates (surrogateescape); they ended in
+  "error: 'utf-8' codec can't encode characters in position 0-1: surrogates not allowed"."""
+  text = b"a\xff\xfeb".decode("utf-8", errors="surrogateescape")  # what sys.argv holds for those bytes
+  np.testing.assert_array_equal(sample.encode(text, sample.BYTES), [0x61, 0xFF, 0xFE, 0x62])
+  with pytest.raises(ValueError, match="the prompt is not valid UTF-8 text .* give the prompt as UTF-8"):
+    sample.encode(text, sample.GPT2)
 
 
 def test_ids_a_tokenizer_lacks_read_as_the_replacement_character():

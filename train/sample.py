@@ -40,9 +40,17 @@ def _tiktoken():
 
 
 def encode(text: str, tokenizer: str) -> np.ndarray:
-  """Token ids (1-d int32) of `text` by `tokenizer` (BYTES or GPT2)."""
+  """Token ids (1-d int32) of `text` by `tokenizer` (BYTES or GPT2).
+
+  Text from the command line that was not UTF-8 holds its bytes as lone surrogates (Python's surrogateescape):
+  BYTES takes those bytes back as they were given; GPT-2 BPE, which encodes text, refuses them."""
   if tokenizer == BYTES:
-    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+    return np.frombuffer(text.encode("utf-8", errors="surrogateescape"), np.uint8).astype(np.int32)
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(f"the prompt is not valid UTF-8 text (position {e.start}: {text[e.start:e.end]!r}), and this "
+                     "model's GPT-2 BPE tokenizer encodes text: give the prompt as UTF-8") from None
   return np.asarray(_tiktoken().encode(text), np.int32)
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
-from models.generate import Sampling, generate
+from models.generate import SEEDS, Sampling, generate
 from train import checkpoint, cli, data, sample, stepdirs
 
 DEFAULT_TOKENS = 200  # new tokens when --tokens is not given (fewer where the context has less room)
@@ -142,9 +142,17 @@ def _temperature(text: str) -> float:
   return value
 
 
+def _seed(text: str) -> int:
+  value = cli.int_at_least(0)(text)
+  if value >= SEEDS:  # jax.random.key keeps the low 32 bits: a larger seed would repeat a smaller one's samples
+    raise argparse.ArgumentTypeError(f"must be below 2**32 ({SEEDS}), got {value}: jax's random key keeps 32 bits, "
+                                     "so a larger seed would repeat a smaller one's samples")
+  return value
+
+
 def parser() -> argparse.ArgumentParser:
   p = cli.Parser(prog="python -m sample", description=__doc__.splitlines()[0], formatter_class=cli.Help)
-  one, zero = cli.int_at_least(1), cli.int_at_least(0)
+  one = cli.int_at_least(1)
   p.add_argument("--ckpt-dir", help=f"a folder python -m train saved to; default: the one {cli.LATEST} names")
   text = p.add_mutually_exclusive_group()
   text.add_argument("--prompt", help="text to continue; default: a newline")
@@ -153,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
                                             "as the context has room for after the prompt")
   p.add_argument("--temperature", type=_temperature, default=0.8, help="0: greedy (the most likely token)")
   p.add_argument("--top-k", type=one, help="draw from the k most likely tokens only; default: all")
-  p.add_argument("--seed", type=zero, default=0, help="random stream of the samples")
+  p.add_argument("--seed", type=_seed, default=0, help=f"random stream of the samples, 0 .. {SEEDS - 1}")
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto", help="attention backend")
   p.add_argument("--batch", type=one, default=1, help="samples of the prompt, drawn together (one batch)")
   return p
