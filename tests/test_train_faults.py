@@ -443,6 +443,8 @@ BAD_FLAGS = {
     "pattern-past-last-layer": (lambda d: ["--window", "16", "--window-pattern", "local,global,global"],
                                 "window_pattern 'local,global,global' has 3 entries for 2 layers (n_layer): entries "
                                 "past the last layer would apply to none; give at most 2 (e.g. 'local,global'"),
+    "seed-2-32": (lambda d: ["--seed", str(2**32)], "seed must be in [0, 2**32): jax.random.key keeps a seed's low "
+                  "32 bits"),
     "batch-size-0": (lambda d: ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
     "batch-size-neg": (lambda d: ["--batch-size", "-4"], "argument --batch-size: must be >= 1, got -4"),
     "seq-len-0": (lambda d: ["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),

@@ -44,7 +44,9 @@ class TrainConfig:
     rules = [("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
              ("lr", finite(self.lr) and self.lr > 0, "a finite number > 0"), ("warmup", self.warmup >= 0, ">= 0"),
              ("weight_decay", finite(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
-             ("clip", finite(self.clip) and self.clip > 0, "a finite number > 0"), ("seed", self.seed >= 0, ">= 0"),
+             ("clip", finite(self.clip) and self.clip > 0, "a finite number > 0"),
+             ("seed", 0 <= self.seed < 2**32, "in [0, 2**32): jax.random.key keeps a seed's low 32 bits, so seed "
+              "2**32 + s would initialise the model as s does"),
              ("ckpt_every", self.ckpt_every >= 1, ">= 1"), ("eval_every", self.eval_every >= 0, ">= 0"),
              ("eval_batches", self.eval_batches >= 1, ">= 1"), ("log_every", self.log_every >= 1, ">= 1"),
              ("sample_tokens", self.sample_tokens >= 0, ">= 0"),
