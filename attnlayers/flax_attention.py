@@ -76,11 +76,11 @@ def _flax_mask(mask):
   """
   if not jnp.issubdtype(mask.dtype, jnp.inexact):
     return mask.astype(jnp.bool_), None
-  binary = jnp.all((mask == 0) | (mask == 1))
   if isinstance(mask, jax.core.Tracer):
-    return mask != 0, binary
-  if not bool(binary):
-    other = sorted({float(x) for x in np.unique(np.asarray(mask)) if x not in (0, 1)})[:3]
+    return mask != 0, jnp.all((mask == 0) | (mask == 1))
+  values = np.asarray(mask)  # concrete, also where a jit closes over it: checked in numpy (jnp would be traced there)
+  if not np.all((values == 0) | (values == 1)):
+    other = sorted({float(x) for x in np.unique(values) if x not in (0, 1)})[:3]
     raise ValueError(f"a {mask.dtype} mask must hold only 0 (masked) and 1 (may attend), Flax's convention; it holds "
                      f"{', '.join(map(str, other))}. An additive mask (0 where allowed, -inf where not, as PyTorch takes) "
                      "goes in bias= instead; or pass a boolean mask (True = may attend).")

@@ -108,10 +108,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
 
     input_shape: (*batch, max_length, in_features). cached_key / cached_value: (*batch, max_length,
     num_kv_heads, head_dim) in `dtype` (default: the layer's dtype, else its param_dtype);
-    cache_index: int32 (*batch,).
+    cache_index: int32 (*batch,); with a custom attention_fn, which decodes through Flax's own __call__,
+    Flax's scalar index.
     """
     super().init_cache(input_shape, self.dtype or self.param_dtype if dtype is None else dtype)
-    self.cache_index = nnx.Cache(jnp.zeros(tuple(input_shape[:-2]), jnp.int32))
+    if isinstance(self.attention_fn, BackendAttention):  # a custom attention_fn decodes on Flax's cache, as is
+      self.cache_index = nnx.Cache(jnp.zeros(tuple(input_shape[:-2]), jnp.int32))
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, is_causal: bool | None = None,
                decode: bool | None = None, lengths=None, segment_ids=None, sliding_window=spec.LAYER_DEFAULT,

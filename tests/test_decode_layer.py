@@ -211,3 +211,16 @@ def test_a_cache_flax_made_decodes_and_takes_one_index_per_row(jit):
   for t in range(3):
     np.testing.assert_array_equal(step(ours, x[:, t:t + 1]), flax(x[:, t:t + 1], decode=True), err_msg=f"step {t}")
   np.testing.assert_array_equal(ours.cache_index[...], [3, 3])
+
+
+def test_custom_attention_fn_decodes_on_flaxs_cache_as_flax_does():
+  """A custom attention_fn decodes through Flax's own __call__, one token per call on Flax's cache (a scalar
+  cache_index): init_cache makes that cache, and the steps equal Flax's class from the same rngs."""
+  x = jax.random.normal(jax.random.key(1), (2, 6, 32))
+  ours = MultiHeadAttention(4, 32, decode=True, attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0))
+  flax = nnx.MultiHeadAttention(4, 32, decode=True, attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0))
+  ours.init_cache(x.shape)
+  flax.init_cache(x.shape)
+  assert ours.cache_index.shape == flax.cache_index.shape == ()
+  for t in range(x.shape[1]):
+    np.testing.assert_array_equal(ours(x[:, t:t + 1]), flax(x[:, t:t + 1]))

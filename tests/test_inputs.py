@@ -136,6 +136,25 @@ def test_traced_float_mask_with_other_values_poisons_the_output():
   np.testing.assert_allclose(run(layer, x, binary), layer(x, is_causal=True), rtol=1e-6, atol=1e-6)
 
 
+def test_float_mask_a_jit_closes_over_is_checked_as_a_concrete_one():
+  """A 0/1 float mask that a jitted function closes over (not an argument: not a tracer) runs under jit, for the
+  nnx and the linen layer, as Flax's layers run it; an additive one raises there as it does outside jit."""
+  import attnlayers.linen
+  from flax import linen as nn
+  layer = MultiHeadAttention(4, 64, decode=False, backend="xla", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(2), (2, 8, 64))
+  binary = nn.make_causal_mask(jnp.ones((2, 8)))  # Flax's helper: float32 0/1
+  np.testing.assert_allclose(nnx.jit(lambda layer, x: layer(x, mask=binary))(layer, x), layer(x, is_causal=True),
+                             rtol=1e-6, atol=1e-6)
+  additive = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), 0.0, -jnp.inf)[None, None]  # (1, 1, T, S): used as given
+  with pytest.raises(ValueError, match="bias="):
+    nnx.jit(lambda layer, x: layer(x, mask=additive))(layer, x)
+  linen_layer = attnlayers.linen.MultiHeadDotProductAttention(num_heads=4, backend="xla")
+  params = linen_layer.init(jax.random.key(0), x)
+  np.testing.assert_allclose(jax.jit(lambda p, x: linen_layer.apply(p, x, mask=binary))(params, x),
+                             linen_layer.apply(params, x, mask=binary), rtol=1e-6, atol=1e-6)
+
+
 def test_fp8_unavailable_is_a_backend_unavailable_error():
   from attnlayers.fp8 import FP8Unavailable
   err = FP8Unavailable(["no GPU here"])

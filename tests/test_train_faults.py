@@ -609,6 +609,18 @@ def test_a_checkpoint_saved_before_data_content_was_kept_resumes_on_its_path_as_
     checkpoint.check_meta("c", 1, old | {"data": "python-stdlib"}, now | {"data": data.source("python-stdlib")})
 
 
+def test_a_resume_on_other_data_names_the_path_and_not_a_content_change_it_never_had():
+  """The checkpoint trained on a.txt; this run reads b.txt. One difference, the path: b.txt did not hold other data
+  "when the checkpoint was saved" (it was never read), so the content line, which says that, is left out."""
+  run = {"model": {}, "seed": 0, "pack": False, "run": {}}
+  saved = run | {"data": "/d/a.txt", "data_content": {"train": 5, "val": 1, "sha256": "a" * 64}}
+  now = run | {"data": "/d/b.txt", "data_content": {"train": 7, "val": 1, "sha256": "b" * 64}}
+  with pytest.raises(checkpoint.ResumeMismatchError) as e:
+    checkpoint.check_meta("c", 1, saved, now)
+  assert "data: checkpoint '/d/a.txt', now '/d/b.txt'" in str(e.value) and "held other data" not in str(e.value)
+  assert set(checkpoint.check_meta("c", 1, saved, now, allow_change=("data",))) == {"data", "data_content"}
+
+
 @pytest.mark.parametrize("flags, difference", [
     (["--lr", "1e-3"], "run.lr: checkpoint 0.003, now 0.001 (accept with --allow-change lr)"),
     (["--batch-size", "16"], "run.batch_size: checkpoint 8, now 16 (accept with --allow-change batch_size)"),
