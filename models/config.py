@@ -34,9 +34,11 @@ class GPTConfig:
   def __post_init__(self):
     kv = self.n_kv_head or self.n_head
     if self.d_model % self.n_head:
-      raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+      raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}): n_head one of "
+                       f"{_divisors(self.d_model)}, or another d_model")
     if self.n_head % kv:
-      raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
+      raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv}): n_kv_head one of "
+                       f"{_divisors(self.n_head)} (1 = MQA, {self.n_head} = MHA)")
     if self.fp8_core != "fp8" and self.backend != "te-fp8":
       raise ValueError(f"fp8_core={self.fp8_core!r} applies to backend 'te-fp8' only; got backend {self.backend!r}")
     if not isinstance(self.bias, bool):
@@ -95,6 +97,12 @@ class GPTConfig:
               "param_dtype", "tie_embeddings", "bias")
     window = {"window": self.window, "window_pattern": self.window_pattern} if self.window is not None else {}
     return {f: getattr(self, f) for f in fields} | {"n_kv_head": self.n_kv_head or self.n_head} | window
+
+
+def _divisors(n: int, most: int = 12) -> str:
+  """n's divisors, the first `most` of them, for a message."""
+  found = [d for d in range(1, n + 1) if n % d == 0]
+  return ", ".join(map(str, found[:most])) + (", ..." if len(found) > most else "")
 
 
 def layer_kinds(window_pattern: str, n_layer: int) -> list[str]:

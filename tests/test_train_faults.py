@@ -450,7 +450,10 @@ BAD_FLAGS = {
     "seq-len-0": (lambda d: ["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
     "seq-len-neg": (lambda d: ["--seq-len", "-1"], "argument --seq-len: must be >= 1, got -1"),
     "kv-heads-0": (lambda d: ["--kv-heads", "0"], "argument --kv-heads: must be >= 1, got 0"),
-    "kv-heads-3": (lambda d: ["--kv-heads", "3"], "n_head (4) must be divisible by n_kv_head (3)"),
+    "kv-heads-3": (lambda d: ["--kv-heads", "3"], "n_head (4) must be divisible by n_kv_head (3): n_kv_head one of "
+                   "1, 2, 4 (1 = MQA, 4 = MHA) (n_head is --n-head, n_kv_head is --kv-heads)"),
+    "n-head-3": (lambda d: ["--n-head", "3"], "d_model (128) must be divisible by n_head (3): n_head one of 1, 2, 4, "
+                 "8, 16, 32, 64, 128, or another d_model (n_head is --n-head, d_model is --d-model)"),
     "n-head-0": (lambda d: ["--n-head", "0"], "argument --n-head: must be >= 1, got 0"),
     "ckpt-every-0": (lambda d: ["--ckpt-every", "0"], "argument --ckpt-every: must be >= 1, got 0"),
     "log-every-0": (lambda d: ["--log-every", "0"], "argument --log-every: must be >= 1, got 0"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shlex
 import sys
 import time
@@ -199,6 +200,13 @@ def _checkpoint_flags(a: argparse.Namespace) -> str | None:
   return None
 
 
+def _flags_named(message: str) -> str:
+  """' (FIELD is FLAG, ...)' for the model fields a GPTConfig message names (checkpoint.MODEL_FLAGS), else ''."""
+  named = [f"{field} is {flag}" for field, flag in checkpoint.MODEL_FLAGS.items()
+           if re.search(rf"(?<![\w-]){field}(?![\w-])", message)]
+  return f" ({', '.join(named)})" if named else ""
+
+
 def main(argv=None) -> None:
   a = parser().parse_args(argv)
   if (ignored := _checkpoint_flags(a)) is not None:
@@ -218,7 +226,7 @@ def main(argv=None) -> None:
         progress=a.progress,
         profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack)
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}{_flags_named(str(e))}", file=sys.stderr)
     sys.exit(2)
   if a.dtype == "float16" and jax.default_backend() == "cpu":
     print("error: --dtype float16 needs a GPU: XLA's CPU backend has no float16 matmul with float32 "
