@@ -10,7 +10,7 @@ from models import bias_gelu, kernels
 from tests import reference
 from tests.test_bias_gelu import DTYPES, _inputs, _oracle, _with_vjp
 from tests.test_gpu_layernorm import TRITON
-from train.loop import STEP_COMPILER_OPTIONS
+from train.step import STEP_COMPILER_OPTIONS
 
 pytestmark = pytest.mark.gpu
 

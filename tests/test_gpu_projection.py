@@ -11,7 +11,7 @@ from flax import nnx
 
 import models
 from attnlayers.nnx import MultiHeadAttention
-from train.loop import STEP_COMPILER_OPTIONS
+from train.step import STEP_COMPILER_OPTIONS
 
 pytestmark = pytest.mark.gpu
 BIAS_EPILOGUE = re.compile(r'"epilogue":"BIAS"')
