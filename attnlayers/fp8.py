@@ -11,8 +11,8 @@ Delayed scaling keeps, per GEMM operand (x, kernel, grad), a scale and an amax h
 never sees them; the FP8 attention core keeps one more (`core_history`, attnlayers.nnx's
 `fp8_core`). TE updates them the JAX way: the gradient that `jax.grad` returns for an
 FP8Meta *is* its new value (TE's custom VJP hands back the updated quantizers), so a training
-step differentiates with respect to FP8Meta too and assigns the result; train/loop.py does,
-and checkpoints the state with the parameters. Current scaling keeps no state.
+step differentiates with respect to FP8Meta too and assigns the result; train/step.py does
+(train/loop.py checkpoints the state with the parameters). Current scaling keeps no state.
 
 TransformerEngine is imported only inside calls, so this module imports without it.
 """

@@ -65,7 +65,7 @@ def main(argv=None) -> None:
   def loss(params, fp8, x, y, graphdef=graphdef):
     return batch_loss(graphdef, params, fp8, {"inputs": x, "targets": y}, None)
 
-  def step(params, fp8, opt_state, x, y, graphdef=graphdef):  # as train.loop's: the FP8Meta "gradient" is its next value
+  def step(params, fp8, opt_state, x, y, graphdef=graphdef):  # as train.step's: the FP8Meta "gradient" is its next value
     l, (g, fp8) = jax.value_and_grad(loss, argnums=(0, 1))(params, fp8, x, y, graphdef)
     updates, opt_state = tx.update(g, opt_state, params)
     return optax.apply_updates(params, updates), fp8, opt_state, l

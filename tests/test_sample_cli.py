@@ -221,6 +221,16 @@ def test_a_prompt_that_is_not_utf8_reaches_a_byte_model_as_its_bytes():
     sample.encode(text, sample.GPT2)
 
 
+def test_a_prompt_file_that_is_not_utf8_reaches_a_byte_model_as_its_bytes(trained, tmp_path, capsys):
+  """--prompt-file reads as --prompt does: bytes that are not UTF-8 reach a byte model as they are (it ended in
+  "cannot read it ('utf-8' codec can't decode byte 0xff ...)", where --prompt with the same bytes sampled)."""
+  path = tmp_path / "p.bin"
+  path.write_bytes(b"a\xff\xfeb")
+  code, out, err = sample_main(["--ckpt-dir", str(trained[1]), "--prompt-file", str(path), "--tokens", "3"], capsys)
+  assert code == 0, err
+  assert "a\ufffd\ufffdb" in out
+
+
 def test_ids_a_tokenizer_lacks_read_as_the_replacement_character():
   assert sample.decode([104, 105, 300, 33], sample.BYTES) == "hi\ufffd!"
 

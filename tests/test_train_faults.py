@@ -560,6 +560,20 @@ def test_a_data_folder_holding_earlier_runs_is_refused_before_the_checkpoint_fol
   assert data.load(str(corpus), 16).files == tuple(str(corpus / f"{i}.txt") for i in range(3))
 
 
+def test_data_that_is_a_run_folder_or_a_checkpoint_step_says_so(tmp_path):
+  """--data naming a run folder itself, or one of its steps: the message said the folder 'holds' a run folder (for a
+  step, its parent, which it does not hold) and offered 'a subfolder of it that has none'."""
+  run = tmp_path / "old"
+  os.makedirs(run / "10")
+  (run / lock.LOCK_NAME).write_text("")
+  (run / "10" / stepdirs.MANIFEST).write_text("{}")
+  (run / "10" / "params").write_text("x = 1\n" * 300)
+  for spec in (run, run / "10"):
+    with pytest.raises(ValueError, match=re.escape(f"--data {str(spec)!r} is python -m train's run folder {run} or a "
+                                                   "checkpoint step in it (checkpoints and logs, not text)")):
+      data.load(str(spec), 16)
+
+
 # --- resuming with other settings
 
 

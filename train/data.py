@@ -278,6 +278,10 @@ def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
     if not files:
       raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
     runs = _run_folders(files)
+    top = os.path.abspath(spec)
+    if around := [r for r in runs if os.path.commonpath([os.path.abspath(r), top]) == os.path.abspath(r)]:
+      raise ValueError(f"--data {spec!r} is python -m train's run folder {around[0]} or a checkpoint step in it "
+                       "(checkpoints and logs, not text); give a folder of text files")
     if runs:
       raise ValueError(f"--data {spec!r} holds {len(runs)} python -m train run folder(s) ({', '.join(runs[:3])}"
                        f"{', ...' if len(runs) > 3 else ''}: checkpoints and logs, not text); they would be read as "

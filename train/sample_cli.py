@@ -171,9 +171,11 @@ def _prompt(a) -> str:
   if a.prompt_file is None:
     return "\n" if a.prompt is None else a.prompt
   try:
-    with open(a.prompt_file, encoding="utf-8") as f:
+    # bytes that are not UTF-8 read as --prompt's do (surrogateescape): a byte model takes them as they are, and
+    # GPT-2 BPE refuses them saying so (sample.encode)
+    with open(a.prompt_file, encoding="utf-8", errors="surrogateescape") as f:
       return f.read()
-  except (OSError, UnicodeDecodeError) as e:
+  except OSError as e:
     raise SampleError(f"--prompt-file {a.prompt_file}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
 
 

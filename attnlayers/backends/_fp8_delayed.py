@@ -10,7 +10,7 @@ the q/k/v projection's bias add); the amax measured now goes into the history.
 State: `history` (3, L) float32, rows q, k, v, column 0 the latest step. The layer keeps it
 as an FP8Meta (attnlayers.fp8) and it advances the way TE's own FP8 state does: the gradient
 jax.grad returns for the history *is* the next history (this call's amaxes rolled in), so a
-training step that assigns its FP8Meta gradients (train/loop.py) advances it, and a forward
+training step that assigns its FP8Meta gradients (train/step.py) advances it, and a forward
 alone leaves it as it was. As for TE's state, that needs one differentiated call per history
 per step: jax adds the cotangents of several uses (a layer applied twice in one loss, or
 under jax.vmap with one history), which would add next-histories; and a history no call
