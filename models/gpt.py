@@ -162,9 +162,12 @@ class GPT(nnx.Module):
       raise ValueError(f"tokens must be integer ids (B, T); got {tokens.dtype}")
     if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # known: check (the embedding lookup would read
       ids = np.asarray(tokens)  # id -1 as the last row and give NaN past the table); numpy's own min, also in a jit
-      lo, hi = int(ids.min()), int(ids.max())
+      if decode and lengths is not None and not isinstance(lengths, jax.core.Tracer):  # right padding is never read
+        ids = ids[np.arange(T)[None, :] < np.asarray(lengths)[:, None]]
+      lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
       if lo < 0 or hi >= self.cfg.vocab_size:
-        raise ValueError(f"tokens must be ids in [0, vocab_size={self.cfg.vocab_size}); got values in [{lo}, {hi}]")
+        raise ValueError(f"tokens must be ids in [0, vocab_size={self.cfg.vocab_size}); got values in [{lo}, {hi}]"
+                         + (" among each row's first lengths tokens" if decode and lengths is not None else ""))
     if positions is not None and not isinstance(positions, jax.core.Tracer):  # known: check (traced: unchecked)
       lo, hi = int(np.asarray(positions).min()), int(np.asarray(positions).max())  # numpy's min, also in a jit
       if lo < 0 or hi >= self.cfg.seq_len:

@@ -286,6 +286,17 @@ def test_token_ids_outside_the_vocabulary_are_a_clear_error():
       m(jnp.array([[1, bad]], jnp.int32))
 
 
+def test_decode_padding_past_lengths_is_not_checked_but_real_tokens_are():
+  """With decode and lengths, the right padding past each row's length is never read: any value passes there;
+  a bad id among the real tokens is refused, saying so."""
+  m = model(config(n_layer=1))
+  m.init_cache(2, 16)
+  out = m(jnp.array([[1, 2, 3], [4, -1, -1]], jnp.int32), decode=True, lengths=jnp.array([3, 1]), last_only=True)
+  assert out.shape == (2, 1, 64) and bool(jnp.all(jnp.isfinite(out)))
+  with pytest.raises(ValueError, match=r"got values in \[-1, 4\] among each row's first lengths tokens"):
+    m(jnp.array([[-1, 2], [4, 7]], jnp.int32), decode=True, lengths=jnp.array([1, 1]))
+
+
 def test_known_tokens_and_positions_are_checked_inside_a_jit_too():
   """Arrays a jitted function closes over are known, and checked; np.min(positions) called the jax array's own
   min there, a tracer, and int() of it raised ConcretizationTypeError."""
