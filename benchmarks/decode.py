@@ -268,6 +268,10 @@ def main(argv=None) -> None:
     p.error(f"--kv-heads must divide {s['preset']}'s n_head ({n_head}); got {s['kv_heads']}")
   if not 1 <= s["steps"] < longest or any(not 1 <= c for c in s["contexts"] + s["batches"] + [s["ttft_context"]]):
     p.error(f"need 1 <= --steps < {longest} and --contexts, --batches, --ttft-context >= 1")
+  if too_long := [c for c in s["contexts"] + [s["ttft_context"]] if c > longest]:
+    p.error(f"--contexts / --ttft-context {', '.join(map(str, too_long))}: the longest context this benchmark's "
+            f"{s['preset']} variants hold is {longest} (a prompt there is cut to {longest} - --steps, leaving room "
+            f"for the decode steps); give {longest} or less")
   copy_gbps = decode_report.copy_gb_per_s(s["copy_bytes"], calls=s["calls"] * 4)
   env = common.environment() | {"decode_min_rows": generate.rows_for(1), "copy_gb_per_s_start": copy_gbps, "copy_bytes": s["copy_bytes"], "preset": s["preset"],
                                 "steps": s["steps"], "budget_s": a.budget_s}

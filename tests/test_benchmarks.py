@@ -319,7 +319,7 @@ def test_the_copy_yardstick_updates_one_buffer_in_place(monkeypatch):
 
 
 def test_decode_budget_stops_cleanly_and_still_writes_every_file(tmp_path):
-  decode.main(["--quick", "--budget-s", "0", "--out", str(tmp_path)])
+  decode.main(["--quick", "--budget-s", "1e-9", "--out", str(tmp_path)])
   rows = json.load(open(tmp_path / "decode.json"))["rows"]
   assert rows and all(r["status"] == "skipped" and "--budget-s" in r["reason"] for r in rows)
   assert (tmp_path / "decode.csv").exists() and "not run" in (tmp_path / "decode.md").read_text()
@@ -446,13 +446,15 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
     ("benchmarks.wrapper", ["--seqs", "0"], "--seqs: must be >= 1, got 0"),
     ("benchmarks.wrapper", ["--rounds", "0"], "--rounds: must be >= 1, got 0"),
     ("benchmarks.decode", ["--quick", "--calls", "0"], "--calls: must be >= 1, got 0"),
+    ("benchmarks.decode", ["--quick", "--contexts", "100000"], "--contexts / --ttft-context 100000: the longest "
+     "context this benchmark's tiny variants hold is 256"),
     ("benchmarks.step", ["--preset", "tiny", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
     ("benchmarks.steady", ["--preset", "tiny", "--seq-len", "0"], "--seq-len: must be >= 1, got 0"),
 ], ids=["layer-seqs-0", "layer-calls-0", "layer-merge-missing", "layer-no-rows", "layer-merge-ignores",
         "layer-seqs-without-seq", "train-steps-1", "train-matmul-0",
         "train-seq-len-negative", "train-run-timeout-0", "fp8-calls-0", "fp8-core-T-0", "fp8-layer-D-N",
         "fp8_train-lr-0", "fp8_train-batch-0", "fp8_train-heads", "wrapper-seqs-0", "wrapper-rounds-0",
-        "decode-calls-0", "step-batch-0", "steady-seq-len-0"])
+        "decode-calls-0", "decode-context-too-long", "step-batch-0", "steady-seq-len-0"])
 def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message):
   proc = subprocess.run([sys.executable, "-m", module, *args, "--out", "/nonexistent-out"], cwd=ROOT,
                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
