@@ -89,6 +89,38 @@ def test_two_processes_match_one_process(tmp_path):
   np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=2e-5)
 
 
+def test_a_signal_to_one_process_stops_and_saves_every_process(tmp_path):
+  """SIGTERM to one process of a two-process run: both stop after the same step, save it together (a save is a
+  collective: the other process, had it trained on, would wait for it for ever), say why, and exit 143; the run
+  then resumes from that step."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  ckpt, log = tmp_path / "c", tmp_path / "m.jsonl"
+  args = [*SMALL, "--steps", "3000", "--ckpt-dir", str(ckpt), "--ckpt-every", "3000", "--metrics", str(log),
+          "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
+  procs = [train_cli(*args, "--process-id", str(i), devices=2, wait=False) for i in (0, 1)]
+  deadline = time.time() + 300
+  while time.time() < deadline and all(p.poll() is None for p in procs):
+    if log.exists() and max(losses(log), default=0) >= 5:
+      break
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGTERM)  # process 1 alone
+  try:
+    results = [p.communicate(timeout=240) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, [err[-1500:] for _, err in results]
+  steps = [int(err.split(" after step ")[1].split(":")[0]) for _, err in results]
+  assert steps[0] == steps[1] and 5 <= steps[0] < 3000, steps
+  assert f"stopped by SIGTERM (received by another process) after step {steps[0]}: saved step" in results[0][1]
+  assert f"stopped by SIGTERM after step {steps[0]}: saved step" in results[1][1]
+  rc, out, err = train_cli(*SMALL, "--steps", str(steps[0] + 2), "--ckpt-dir", str(ckpt), "--allow-change", "steps",
+                           devices=4)
+  assert rc == 0 and f"at step {steps[0]}" in out, err[-1500:]
+
+
 def test_kill_9_then_rerun_resumes_bitwise(tmp_path):
   args = [*SMALL, "--steps", "60", "--ckpt-every", "10"]
   rc, _, err = train_cli(*args, "--ckpt-dir", str(tmp_path / "a"), "--metrics", str(tmp_path / "a.jsonl"))

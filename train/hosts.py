@@ -28,6 +28,17 @@ def from_process_0(text: str) -> str:
   return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw)))[:size].decode()
 
 
+def any_signal(local: int | None) -> int | None:
+  """The stop signal some process received (the lowest-numbered such process's), on every process; None where
+  none did. Every process calls it at the same step: a signal reaches one process (a kill of one PID) or all
+  (a scheduler's preemption), and every process must then stop and save at the same step, since a save is a
+  collective the others would otherwise wait in for ever."""
+  if jax.process_count() == 1:
+    return local
+  got = np.asarray(multihost_utils.process_allgather(np.array([local or 0], np.int32)))  # (processes, 1)
+  return next((int(x) for x in got.reshape(-1) if x), None)
+
+
 def on_process_0(work: Callable[[], T], *, errors: tuple[type[Exception], ...] = (),
                  default: type[Exception] = RuntimeError) -> T:
   """work() on process 0, and its result (None or JSON: an int, a string) on every process. Where it raises,

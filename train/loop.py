@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 import models
 from models import kernels
-from train import checkpoint, data, metrics, report, signals, stepdirs, undo
+from train import checkpoint, data, hosts, metrics, report, signals, stepdirs, undo
 from train.config import PROFILE_WINDOW, TrainConfig
 from train.step import Model, build, lr
 
@@ -263,7 +263,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
   non-finite loss stops the run one step later, before anything after it is saved."""
   cfg, loss, pending = s.cfg, None, None  # pending: (step, loss) of a log-only report not yet written
   loss_arr = None  # the last dispatched step's loss
-  if s.stop.received:  # arrived while setting up: nothing new to save
+  if _stop_agreed(s):  # arrived while setting up: nothing new to save
     raise _stopped(s, s.start, saved=False)
   bar = tqdm(total=cfg.steps, initial=s.start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
   profiler = _Profiler(cfg.profile_dir, s.start)
@@ -282,8 +282,9 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
       if s.throughput.time_to_first_step_s is None:
         loss = _finite(s, float(loss_arr), step)
         s.throughput.first_step_done(step)
-      stopping = s.stop.received is not None  # read once: a signal during the report waits for the next step
       log, evaluate = _due(cfg, step, cfg.log_every), _due(cfg, step, cfg.eval_every)
+      # read once: a signal during the report waits for the next step; several processes act on it together
+      stopping = _stop_agreed(s) if jax.process_count() == 1 or log or _due(cfg, step, cfg.ckpt_every) else False
       save = s.ckpts is not None and (_due(cfg, step, cfg.ckpt_every) or stopping)
       if evaluate or save or stopping or (log and step == cfg.steps):
         loss = _report(s, step, loss_arr, state, bar, evaluate=evaluate, save=save)
@@ -291,7 +292,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
         pending = (step, loss_arr)
       if stopping or s.stop.held is not None:  # held: it came during this step's save, which finished
         raise _stopped(s, step, saved=save)
-    if s.stop.received is not None:  # it came during the last step's report, which saved that step
+    if _stop_agreed(s):  # it came during the last step's report, which saved that step
       raise _stopped(s, cfg.steps, saved=s.ckpts is not None)
   except Exception:
     if pending and pending[1].is_ready():  # the next step failed to start: the finished step's record is kept
@@ -302,6 +303,16 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
     profiler.close()
     bar.close()
   return state, loss
+
+
+def _stop_agreed(s: Session) -> bool:
+  """Whether the run stops here: a signal was received, on any process of a multi-host run (all of them call this
+  at the same steps: the log and checkpoint steps, so a signal to one process stops every process within
+  log_every steps, each saving the same step; train.hosts.any_signal)."""
+  agreed = hosts.any_signal(s.stop.received)
+  if agreed is not None:
+    s.stop.adopt(agreed)
+  return agreed is not None
 
 
 def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
@@ -315,7 +326,8 @@ def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
   else:
     where = "nothing saved (no --ckpt-dir)"
   s.out.write({"event": "stopped", "step": step, "signal": s.stop.name, "saved": saved})
-  return signals.Stopped(s.stop.ending, step, f"stopped by {s.stop.name} after step {step}: {where}")
+  by = f"{s.stop.name}{' (received by another process)' if s.stop.elsewhere else ''}"
+  return signals.Stopped(s.stop.ending, step, f"stopped by {by} after step {step}: {where}")
 
 
 def data_mesh(devices) -> jax.sharding.Mesh:

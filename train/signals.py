@@ -7,6 +7,10 @@ while the loop is stopping gets the signal's usual handling, for a user who cann
 except while a checkpoint is being written (`StopRequests.saving`): interrupted, that save
 would be lost, and with it every step since the last one. There the signal is held: the save
 finishes and is sealed, then the loop stops and the CLI exits with that signal's code.
+
+In a multi-host run the processes agree (train.hosts.any_signal, at each logged or checkpoint
+step): a signal to one process stops every process after the same step, each saving its part of
+that step's checkpoint; the others `adopt` the signal and say it came to another process.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class StopRequests:
     self.received: int | None = None
     self.held: int | None = None  # the last signal after the first that came while a save was written, if any
     self._saving = False  # inside saving()
+    self.elsewhere = False  # received came from another process of a multi-host run (adopt)
     self._previous: dict[int, object] = {}
 
   def _handle(self, signum, frame):
@@ -82,6 +87,11 @@ class StopRequests:
 
   def __exit__(self, *exc) -> None:
     self._restore()
+
+  def adopt(self, signum: int) -> None:
+    """Stops this process as if `signum` had arrived here: another process received it (train.hosts.any_signal)."""
+    if self.received is None:
+      self.received, self.elsewhere = signum, True
 
   @property
   def ending(self) -> int | None:
