@@ -365,6 +365,21 @@ def test_too_little_data_names_the_held_out_part_and_what_would_fit(tmp_path):
     data.load(str(tmp_path / "d"), 128)
 
 
+def test_a_folder_reads_each_file_once_through_links(tmp_path):
+  """glob follows links: a linked folder, a linked file and a link back up the tree (a loop, which glob follows
+  some 40 levels deep) must not read a file more than once, nor put one file in training and validation both."""
+  (tmp_path / "d" / "sub").mkdir(parents=True)
+  for i in range(12):
+    (tmp_path / "d" / "sub" / f"{i:02d}.txt").write_bytes(bytes([65 + i]) * 200)
+  os.symlink(tmp_path / "d" / "sub", tmp_path / "d" / "linked")
+  os.symlink(tmp_path / "d" / "sub" / "00.txt", tmp_path / "d" / "file-link")
+  os.symlink(tmp_path / "d", tmp_path / "d" / "sub" / "back")
+  ds = data.load(str(tmp_path / "d"), 16)
+  assert len(ds.files) == 12 and len({os.path.realpath(f) for f in ds.files}) == 12, ds.files
+  train, val = {bytes(t[:1]) for t in ds.train}, {bytes(t[:1]) for t in ds.val}
+  assert len(train) + len(val) == 12 and not train & val, (train, val)
+
+
 def write_shard(path, tokens):
   header = np.zeros(256, np.int32)
   header[:3] = (data.SHARD_MAGIC, 1, len(tokens))

@@ -258,6 +258,21 @@ def _glob_matches(pattern: str, path: str) -> bool:
       fnmatch.fnmatchcase(h, w) and (not h.startswith(".") or w.startswith(".")) for w, h in zip(want, have))
 
 
+def _folder_files(folder: str) -> list[str]:
+  """The files under `folder`, sorted, each once: as glob's "**/*" finds them (links followed, no name starting with
+  "."), but a folder reached again through a link is not walked again and a file reached by two paths is read by
+  the first. glob walks every path: a link back up the tree made it read each file some 40 times over (into both
+  training and validation), and two such paths made it run for ever."""
+  found, walked = [], set()
+  for top, dirs, names in os.walk(folder, followlinks=True):
+    walked.add(os.path.realpath(top))
+    dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(top, d)) not in walked)
+    walked.update(os.path.realpath(os.path.join(top, d)) for d in dirs)  # each folder under one path only
+    found += [os.path.join(top, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(top, n))]
+  seen = set()
+  return [p for p in sorted(found) if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
+
+
 def _run_folders(files: list[str]) -> list[str]:
   """The folders among `files`' that python -m train wrote: a run folder (its lock file) or a checkpoint step
   (its manifest; the run folder is its parent)."""
@@ -274,7 +289,7 @@ def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
   if spec.endswith(".bin"):
     return _shards(spec, seq_len, pack)
   if os.path.isdir(spec):
-    files = sorted(p for p in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(p))
+    files = _folder_files(spec)
     if not files:
       raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
     runs = _run_folders(files)
