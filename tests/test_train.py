@@ -89,6 +89,26 @@ def test_two_processes_match_one_process(tmp_path):
   np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=2e-5)
 
 
+def test_processes_given_other_settings_are_refused_before_training(tmp_path):
+  """Two processes of one run with another --lr on process 1: both exit 2 before training, each saying which
+  process differs and how (they trained in lockstep with different learning rates, or crashed in gloo on a shape)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  args = [*SMALL, "--steps", "4", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2"]
+  procs = [train_cli(*args, "--process-id", str(i), *(["--lr", "1e-4"] if i else []), devices=2, wait=False)
+           for i in (0, 1)]
+  try:
+    results = [p.communicate(timeout=240) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [2, 2], [err[-1500:] for _, err in results]
+  assert "error: process(es) 1 were given other settings than process 0" in results[0][1], results[0][1][-1500:]
+  assert "error: process 1 was given other settings than process 0 (lr: 0.003 there, 0.0001 here)" in results[1][1]
+  assert "step 1" not in results[0][0] + results[1][0]
+
+
 def test_a_signal_to_one_process_stops_and_saves_every_process(tmp_path):
   """SIGTERM to one process of a two-process run: both stop after the same step, save it together (a save is a
   collective: the other process, had it trained on, would wait for it for ever), say why, and exit 143; the run

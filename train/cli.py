@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -21,6 +22,8 @@ import sys
 import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 import attnlayers
 from attnlayers import spec
@@ -200,6 +203,32 @@ def _checkpoint_flags(a: argparse.Namespace) -> str | None:
   return None
 
 
+LOCAL_SETTINGS = ("metrics", "progress", "profile_dir")  # what each process of a multi-host run may set alone
+
+
+def _settings_unlike_process_0(cfg: config.TrainConfig) -> str | None:
+  """Where a process of a multi-host run was given other settings than process 0, the message every process
+  stops with (each in its own words); else None. The processes train one model in lockstep: another shape ends
+  in a collective of the wrong size, another learning rate in models that drift apart without a word."""
+  mine = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items() if k not in LOCAL_SETTINGS},
+                               sort_keys=True, default=str))
+  theirs = json.loads(hosts.from_process_0(json.dumps(mine, sort_keys=True)))
+  flat = lambda d: {f"{k}.{j}" if isinstance(v, dict) else k: w for k, v in d.items()
+                    for j, w in (v.items() if isinstance(v, dict) else [(None, v)])}
+  mine, theirs = flat(mine), flat(theirs)
+  differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+  unlike = [i for i, x in enumerate(np.asarray(multihost_utils.process_allgather(np.array([len(differ)], np.int32)))
+                                     .reshape(-1)) if x]
+  if not unlike:
+    return None
+  if differ:
+    return (f"process {jax.process_index()} was given other settings than process 0 ("
+            + "; ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+            + "): every process of a run takes the same flags (only --metrics, --progress and --profile-dir may differ)")
+  return (f"process(es) {', '.join(map(str, unlike))} were given other settings than process {jax.process_index()} "
+          "(each says which): every process of a run takes the same flags")
+
+
 def _flags_named(message: str) -> str:
   """' (FIELD is FLAG, ...)' for the model fields a GPTConfig message names (checkpoint.MODEL_FLAGS), else ''."""
   named = [f"{field} is {flag}" for field, flag in checkpoint.MODEL_FLAGS.items()
@@ -247,6 +276,9 @@ def main(argv=None) -> None:
   if a.coordinator_address:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
     jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
+    if (differ := _settings_unlike_process_0(cfg)) is not None:
+      print(f"error: {differ}", file=sys.stderr)
+      sys.exit(2)
   fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
   if fresh and data.reads(cfg.data, RUNS):  # as TrainConfig refuses a --ckpt-dir there, before making it
     print(f"error: the run folder {RUNS}/ (where a run without --ckpt-dir keeps its checkpoints) lies in what "
