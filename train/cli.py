@@ -22,8 +22,6 @@ import sys
 import time
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 import attnlayers
 from attnlayers import spec
@@ -217,8 +215,7 @@ def _settings_unlike_process_0(cfg: config.TrainConfig) -> str | None:
                     for j, w in (v.items() if isinstance(v, dict) else [(None, v)])}
   mine, theirs = flat(mine), flat(theirs)
   differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
-  unlike = [i for i, x in enumerate(np.asarray(multihost_utils.process_allgather(np.array([len(differ)], np.int32)))
-                                     .reshape(-1)) if x]
+  unlike = [i for i, x in enumerate(hosts.every_process(len(differ))) if x]
   if not unlike:
     return None
   if differ:

@@ -33,10 +33,15 @@ def any_signal(local: int | None) -> int | None:
   none did. Every process calls it at the same step: a signal reaches one process (a kill of one PID) or all
   (a scheduler's preemption), and every process must then stop and save at the same step, since a save is a
   collective the others would otherwise wait in for ever."""
+  return next((x for x in every_process(local or 0) if x), None)
+
+
+def every_process(value: int) -> list[int]:
+  """Each process's `value` (an int32), in process order, on every process; every process calls it at the same
+  point."""
   if jax.process_count() == 1:
-    return local
-  got = np.asarray(multihost_utils.process_allgather(np.array([local or 0], np.int32)))  # (processes, 1)
-  return next((int(x) for x in got.reshape(-1) if x), None)
+    return [value]
+  return [int(x) for x in np.asarray(multihost_utils.process_allgather(np.array([value], np.int32))).reshape(-1)]
 
 
 def on_process_0(work: Callable[[], T], *, errors: tuple[type[Exception], ...] = (),
