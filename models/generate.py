@@ -63,10 +63,15 @@ def sample(logits: Float[Array, "B V"], key, sampling: Sampling) -> Int[Array, "
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   # the row's largest at 0 first: a tiny temperature then sends the rest to -inf, not everything to +-inf
   logits = (logits - logits.max(axis=-1, keepdims=True)) / sampling.temperature
-  if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]  # (B, 1) the k-th largest
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  return jax.random.categorical(key, logits).astype(jnp.int32)
+  return jax.random.categorical(key, keep_top_k(logits, sampling.top_k)).astype(jnp.int32)
+
+
+def keep_top_k(logits: Float[Array, "B V"], k: int | None) -> Float[Array, "B V"]:
+  """logits with every token below each row's k-th largest at -inf; k None or >= V keeps them all."""
+  if k is None or k >= logits.shape[-1]:
+    return logits
+  kth = jax.lax.top_k(logits, k)[0][:, -1:]  # (B, 1) the k-th largest
+  return jnp.where(logits < kth, -jnp.inf, logits)
 
 
 def bucket(n: int, limit: int) -> int:
