@@ -36,7 +36,7 @@ NO_STOP = -1  # the stop token's runtime value when there is none: no sampled id
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   temperature: float = 1.0  # 0 = greedy (argmax); otherwise logits / temperature
-  top_k: int | None = None  # keep the k most likely tokens; None = all
+  top_k: int | None = None  # keep the k most likely tokens (ties to the lower id); None = all
   seed: int = 0  # the random stream of the whole generation: an int in [0, SEEDS)
 
   def __post_init__(self):
@@ -67,11 +67,15 @@ def sample(logits: Float[Array, "B V"], key, sampling: Sampling) -> Int[Array, "
 
 
 def keep_top_k(logits: Float[Array, "B V"], k: int | None) -> Float[Array, "B V"]:
-  """logits with every token below each row's k-th largest at -inf; k None or >= V keeps them all."""
+  """logits with all but each row's k largest at -inf; k None or >= V keeps them all.
+
+  Exactly k stay: ties at the k-th largest go to the lower index, as jax.lax.top_k (and torch.topk) pick.
+  Comparing with the k-th value instead kept every token tied with it."""
   if k is None or k >= logits.shape[-1]:
     return logits
-  kth = jax.lax.top_k(logits, k)[0][:, -1:]  # (B, 1) the k-th largest
-  return jnp.where(logits < kth, -jnp.inf, logits)
+  values, indices = jax.lax.top_k(logits, k)  # (B, k) each
+  rows = jnp.arange(logits.shape[0])[:, None]  # (B, 1)
+  return jnp.full_like(logits, -jnp.inf).at[rows, indices].set(values)
 
 
 def bucket(n: int, limit: int) -> int:

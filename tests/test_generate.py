@@ -16,7 +16,7 @@ from flax import nnx
 import attnlayers
 import models
 from models import plans
-from models.generate import Decoder, Sampling, generate, sample
+from models.generate import Decoder, Sampling, generate, keep_top_k, sample
 
 GREEDY = Sampling(temperature=0)
 PROMPTS = [np.array([5, 9, 2]), np.arange(17) % 7 + 20, (np.arange(50) * 7) % 64]  # ragged: 3, 17, 50 tokens
@@ -221,6 +221,26 @@ def test_sampling_follows_seed_temperature_and_top_k():
   assert draw(temperature=1.0, seed=3) != draw(temperature=1.0, seed=4)
   greedy = [t.tolist() for t in generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=GREEDY).tokens]
   assert draw(temperature=1.0, top_k=1, seed=5) == greedy  # the one most likely token
+
+
+def test_top_k_keeps_exactly_k_tokens_when_the_kth_logit_is_tied():
+  """Ties at the k-th largest logit are broken by index, as jax.lax.top_k (and torch.topk) pick: the k lowest-index
+  of the largest stay, never more; every token was kept where all tied."""
+  logits = jnp.array([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0],   # k=2: 3.0 and the first 2.0 (index 2)
+                      [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])  # all tied: indices 0 and 1
+  kept = np.asarray(keep_top_k(logits, 2))
+  assert np.isfinite(kept).sum(axis=1).tolist() == [2, 2]
+  np.testing.assert_array_equal(kept[0], [-np.inf, 3.0, 2.0, -np.inf, -np.inf, -np.inf])
+  np.testing.assert_array_equal(kept[1], [5.0, 5.0, -np.inf, -np.inf, -np.inf, -np.inf])
+  for k in (6, None):  # the whole vocabulary, or no top_k: nothing is filtered
+    np.testing.assert_array_equal(keep_top_k(logits, k), logits)
+
+
+def test_sampling_with_top_k_draws_only_from_the_k_kept_tokens():
+  """4,096 rows of four tied logits at top_k 2: a draw comes from tokens 0 and 1 only (the other two are at -inf,
+  of probability 0), and from both."""
+  tokens = sample(jnp.zeros((4096, 4)), jax.random.key(0), Sampling(top_k=2))
+  assert set(np.asarray(tokens).tolist()) == {0, 1}
 
 
 def test_parameters_cast_once_to_the_compute_dtype():
