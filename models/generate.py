@@ -33,6 +33,11 @@ SEEDS = 2**32  # Sampling.seed lies below: without jax_enable_x64 jax.random.key
 NO_STOP = -1  # the stop token's runtime value when there is none: no sampled id equals it
 
 
+def _integer(x) -> bool:
+  """x is an int (numpy's too) and not a bool (True is an int to Python, never a count or a token id here)."""
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   temperature: float = 1.0  # 0 = greedy (argmax); otherwise logits / temperature
@@ -41,14 +46,14 @@ class Sampling:
 
   def __post_init__(self):
     s = self.seed
-    if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s < SEEDS:
+    if not _integer(s) or not 0 <= s < SEEDS:
       raise ValueError(f"seed must be an integer in [0, 2**32) ({SEEDS}); got {s!r}: jax.random.key keeps its low "
                        "32 bits here (seed 2**32 + s would draw what seed s draws, and from 2**63 it fails)")
     t = self.temperature
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
       raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {t!r}")
     k = self.top_k
-    if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+    if k is not None and (not _integer(k) or k < 1):
       raise ValueError(f"top_k must be an integer >= 1, or None to keep every token; got {self.top_k!r}")
 
   def check(self, vocab_size: int) -> None:
@@ -83,6 +88,23 @@ def bucket(n: int, limit: int) -> int:
   return max(n, min(limit, -(-n // BUCKET) * BUCKET))
 
 
+def check_new_tokens(max_new_tokens: int) -> None:
+  """ValueError unless max_new_tokens is an integer >= 1."""
+  if not _integer(max_new_tokens) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an integer >= 1 (the new tokens per prompt); got {max_new_tokens!r}")
+
+
+def check_options(vocab_size: int, sampling: Sampling, stop_token: int | None) -> None:
+  """ValueError unless `sampling` is a Sampling that fits the vocabulary and stop_token a token id or None."""
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a models.generate.Sampling, e.g. Sampling(temperature=0.8, top_k=40); "
+                     f"got {sampling!r}")
+  sampling.check(vocab_size)
+  if stop_token is not None and (not _integer(stop_token) or not 0 <= stop_token < vocab_size):
+    raise ValueError(f"stop_token must be a token id, an integer in [0, {vocab_size}), or None to stop only at "
+                     f"max_new_tokens; got {stop_token!r}")
+
+
 def check_fits(seq_len: int, prompt_len: int, max_new_tokens: int) -> None:
   """ValueError unless a prompt of `prompt_len` tokens plus `max_new_tokens` fit the context."""
   if prompt_len < 1:
@@ -90,8 +112,7 @@ def check_fits(seq_len: int, prompt_len: int, max_new_tokens: int) -> None:
   if prompt_len > seq_len:
     raise ValueError(f"the prompt has {prompt_len} tokens, more than the model's context (seq_len {seq_len}); "
                      f"shorten it to at most {seq_len - 1} tokens to leave room for one new token")
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1; got {max_new_tokens}")
+  check_new_tokens(max_new_tokens)
   if prompt_len + max_new_tokens > seq_len:
     raise ValueError(f"a prompt of {prompt_len} tokens plus {max_new_tokens} new ones is "
                      f"{prompt_len + max_new_tokens}, past the model's context (seq_len {seq_len}): "
@@ -182,13 +203,11 @@ class Decoder:
     cfg = model.cfg
     if backend not in (None, cfg.backend):
       cfg = dataclasses.replace(cfg, backend=backend, fp8_core=cfg.fp8_core if backend == "te-fp8" else "fp8")
-    sampling.check(cfg.vocab_size)
+    check_options(cfg.vocab_size, sampling, stop_token)
     if batch < 1:
       raise ValueError(f"batch must be >= 1; got {batch}")
     if not 1 <= prompt_len <= cache_len <= cfg.seq_len:
       raise ValueError(f"need 1 <= prompt_len ({prompt_len}) <= cache_len ({cache_len}) <= seq_len ({cfg.seq_len})")
-    if stop_token is not None and not 0 <= stop_token < cfg.vocab_size:
-      raise ValueError(f"stop_token ({stop_token}) must be a token id in [0, {cfg.vocab_size})")
     self.cfg, self.batch, self.cache_len, self.prompt_len = cfg, batch, cache_len, prompt_len
     self.rows = rows_for(batch)  # rows the programs and the cache hold (>= batch; the extra ones dropped)
     self.sampling, self.stop = sampling, NO_STOP if stop_token is None else stop_token
@@ -283,16 +302,15 @@ class Generation:
 
 def generate(model: GPT, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
              stop_token: int | None = None, backend: str | None = None) -> Generation:
-  """Continues each prompt (1-d token ids; rows may differ in length) by up to max_new_tokens tokens."""
+  """Continues each prompt (1-d token ids; rows may differ in length) by up to max_new_tokens tokens.
+
+  Every argument is checked before anything compiles: a ValueError names the first that is not what it takes."""
+  if not isinstance(model, GPT):
+    raise ValueError(f"model must be a models.GPT; got {type(model).__name__}")
   cfg = model.cfg
-  rows = [np.asarray(p).reshape(-1) for p in prompts]
-  if not rows:
-    raise ValueError("no prompts: give at least one")
-  for i, p in enumerate(rows):
-    check_fits(cfg.seq_len, len(p), max_new_tokens)
-    if not np.issubdtype(p.dtype, np.integer) or p.min() < 0 or p.max() >= cfg.vocab_size:
-      raise ValueError(f"prompt {i} must hold integer token ids in [0, {cfg.vocab_size}); "
-                       f"got {p.dtype} values in [{p.min()}, {p.max()}]")
+  check_new_tokens(max_new_tokens)
+  check_options(cfg.vocab_size, sampling, stop_token)
+  rows = _prompt_rows(prompts, cfg, max_new_tokens)
   lengths = np.array([len(p) for p in rows], np.int32)
   longest = int(lengths.max())
   prompt_len = bucket(longest, cfg.seq_len)
@@ -311,6 +329,32 @@ def generate(model: GPT, prompts, *, max_new_tokens: int, sampling: Sampling = S
   out = [np.concatenate([first[b:b + 1], tokens[b, :n_new[b]]]) for b in range(len(rows))]
   rate = float(n_new.sum()) / decode_s if max_new_tokens > 1 else float("nan")
   return Generation(out, ttft, rate, decoder.compile_s, decoder.attention_ran())
+
+
+def _prompt_rows(prompts, cfg, max_new_tokens: int) -> list[np.ndarray]:
+  """Each prompt as an array, checked: 1-d integer token ids of the vocabulary that fit the context with
+  max_new_tokens new ones."""
+  if isinstance(prompts, (str, bytes)):
+    raise ValueError(f"prompts must be a list of token id arrays; got a {type(prompts).__name__}: encode the text "
+                     "to token ids first and pass [ids]")
+  try:
+    rows = [np.asarray(p) for p in prompts]
+  except TypeError:
+    raise ValueError(f"prompts must be a list of token id arrays (1-d, one per row); got {prompts!r}") from None
+  if not rows:
+    raise ValueError("no prompts: give at least one")
+  for i, p in enumerate(rows):
+    if p.ndim != 1:
+      hint = ("one number: prompts is a list of prompts, so one prompt goes as [ids]" if p.ndim == 0 else
+              "a 2-d array of equal-length prompts goes as prompts itself, each row one prompt")
+      raise ValueError(f"prompt {i} must be 1-d token ids; got shape {p.shape} ({hint})")
+    check_fits(cfg.seq_len, len(p), max_new_tokens)
+    if not np.issubdtype(p.dtype, np.integer):
+      raise ValueError(f"prompt {i} must hold integer token ids in [0, {cfg.vocab_size}); got {p.dtype} values")
+    if p.min() < 0 or p.max() >= cfg.vocab_size:
+      raise ValueError(f"prompt {i} must hold integer token ids in [0, {cfg.vocab_size}); "
+                       f"got {p.dtype} values in [{p.min()}, {p.max()}]")
+  return rows
 
 
 def _timed(call):

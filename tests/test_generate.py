@@ -7,6 +7,8 @@ positions at a larger one, so that greedy decoding wanders over many tokens inst
 repeating one.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -271,10 +273,19 @@ def test_te_fp8_model_samples_under_xla_from_its_parameters_alone():
     ([np.arange(90) % 64], 10, "past the model's context (seq_len 96): at most 6 new tokens fit"),
     ([np.arange(96) % 64], 1, "the prompt fills the model's context (seq_len 96): no new token fits"),
     ([np.array([3, 64])], 5, "token ids in [0, 64)"),
-    ([np.array([3])], 0, "max_new_tokens must be >= 1"),
-], ids=["none", "empty", "too-long", "no-room", "full", "bad-id", "zero-new"])
+    ([np.array([3])], 0, "max_new_tokens must be an integer >= 1 (the new tokens per prompt); got 0"),
+    ([np.array([3.0, 4.0])], 5, "prompt 0 must hold integer token ids in [0, 64); got float64 values"),
+    ([np.array(["a", "b"])], 5, "prompt 0 must hold integer token ids in [0, 64); got <U1 values"),
+    ([np.array([True, False])], 5, "prompt 0 must hold integer token ids in [0, 64); got bool values"),
+    (np.array([3, 4, 5]), 5, "prompt 0 must be 1-d token ids; got shape () (one number: prompts is a list of "
+                             "prompts, so one prompt goes as [ids])"),  # was three prompts of one token each
+    ([np.array([[3, 4, 5]])], 5, "prompt 0 must be 1-d token ids; got shape (1, 3) (a 2-d array of equal-length"),
+    ("abc", 5, "prompts must be a list of token id arrays; got a str: encode the text to token ids first"),
+    (5, 5, "prompts must be a list of token id arrays (1-d, one per row); got 5"),
+], ids=["none", "empty", "too-long", "no-room", "full", "bad-id", "zero-new", "float-ids", "str-ids", "bool-ids",
+        "one-1d-array", "2d-prompt", "text", "number"])
 def test_bad_prompts_are_clear_errors(prompts, new, message):
-  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+  with pytest.raises(ValueError, match=re.escape(message)):
     generate(model(config(n_layer=1)), prompts, max_new_tokens=new)
 
 
@@ -291,6 +302,30 @@ def test_bad_prompts_are_clear_errors(prompts, new, message):
 def test_bad_sampling_is_a_clear_error(kw, message):
   with pytest.raises(ValueError, match=message):
     Sampling(**kw)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"max_new_tokens": 2.0}, "max_new_tokens must be an integer >= 1 (the new tokens per prompt); got 2.0"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer >= 1 (the new tokens per prompt); got True"),
+    ({"max_new_tokens": -2}, "max_new_tokens must be an integer >= 1 (the new tokens per prompt); got -2"),
+    ({"max_new_tokens": "3"}, "max_new_tokens must be an integer >= 1 (the new tokens per prompt); got '3'"),
+    ({"max_new_tokens": None}, "max_new_tokens must be an integer >= 1 (the new tokens per prompt); got None"),
+    ({"stop_token": 2.0}, "stop_token must be a token id, an integer in [0, 64), or None to stop only at "
+                          "max_new_tokens; got 2.0"),
+    ({"stop_token": True}, "stop_token must be a token id, an integer in [0, 64), or None"),
+    ({"stop_token": 64}, "stop_token must be a token id, an integer in [0, 64), or None"),
+    ({"sampling": None}, "sampling must be a models.generate.Sampling, e.g. Sampling(temperature=0.8, top_k=40); "
+                         "got None"),
+    ({"sampling": {"temperature": 0}}, "sampling must be a models.generate.Sampling"),
+    ({"model": object()}, "model must be a models.GPT; got object"),
+], ids=["new-float", "new-bool", "new-negative", "new-str", "new-none", "stop-float", "stop-bool", "stop-65th",
+        "sampling-none", "sampling-dict", "model"])
+def test_bad_arguments_of_generate_are_clear_errors(kw, message):
+  """Each names the argument, the value given and what it takes; 2.0 new tokens raised a TypeError about shapes
+  from inside jax, True was one new token, and a float stop token was taken."""
+  args = {"model": model(config(n_layer=1)), "max_new_tokens": 3} | kw
+  with pytest.raises(ValueError, match=re.escape(message)):
+    generate(args.pop("model"), [PROMPTS[0]], **args)
 
 
 def test_top_k_beyond_the_vocabulary_is_a_clear_error():
