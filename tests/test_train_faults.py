@@ -641,6 +641,29 @@ def test_a_resume_on_other_data_names_the_path_and_not_a_content_change_it_never
   assert set(checkpoint.check_meta("c", 1, saved, now, allow_change=("data",))) == {"data", "data_content"}
 
 
+@pytest.mark.parametrize("saved_path, now_path, path_line", [
+    ("/d/a.txt", "/d/a.txt", False),  # the same path: its content changed
+    ("d.txt", "{tmp}/d.txt", False),  # typed relative to here by an older run: the same path
+    ("/d/a.txt", "/d/b.txt", True),  # another path: that is the difference, not the content
+    (None, "/d/b.txt", True),  # a checkpoint that recorded no data
+])
+def test_the_content_line_follows_whether_the_data_path_changed(saved_path, now_path, path_line, tmp_path,
+                                                                 monkeypatch):
+  """check_meta says the data's content changed only where the path did not: decided by the recorded paths (and
+  every other difference, the seed's here, leaves it as it is)."""
+  monkeypatch.chdir(tmp_path)
+  run = {"model": {}, "pack": False, "run": {}}
+  saved = run | {"seed": 0, "data": saved_path, "data_content": {"train": 5, "val": 1, "sha256": "a" * 64}}
+  now = run | {"seed": 1, "data": now_path.format(tmp=os.path.realpath(tmp_path)),
+               "data_content": {"train": 7, "val": 1, "sha256": "b" * 64}}
+  with pytest.raises(checkpoint.ResumeMismatchError) as e:
+    checkpoint.check_meta("c", 1, saved, now)
+  lines = str(e.value).splitlines()
+  assert "  seed: checkpoint 0, now 1 (python -m train sets it with --seed)" in lines, lines
+  assert any(line.startswith("  data: checkpoint ") for line in lines) == path_line, lines
+  assert any("held other data when the checkpoint was saved" in line for line in lines) != path_line, lines
+
+
 @pytest.mark.parametrize("flags, difference", [
     (["--lr", "1e-3"], "run.lr: checkpoint 0.003, now 0.001 (accept with --allow-change lr)"),
     (["--batch-size", "16"], "run.batch_size: checkpoint 8, now 16 (accept with --allow-change batch_size)"),

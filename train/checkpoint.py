@@ -261,6 +261,13 @@ def _same_path(a, b) -> bool:
           and data.source(a) == b)
 
 
+def _other_path(saved: dict, expected: dict) -> bool:
+  """The checkpoint trained on data at another path than this run's (check_meta then names the path; the content
+  of this run's data says nothing of the checkpoint's)."""
+  a, b = saved.get("data"), expected.get("data")
+  return a != b and not _same_path(a, b)
+
+
 def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_change=()) -> dict:
   """Refuses a resume that would not continue the saved run; returns the changes `allow_change` accepts.
 
@@ -293,7 +300,7 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
                   f" (python -m train sets it with {MODEL_FLAGS[k]})" if key == "model" and k in MODEL_FLAGS else "")
           diffs.append(f"{key}.{k}: checkpoint {was!r}, now {b.get(k)!r}{hint}")
     elif key == "data_content" and a != b:
-      if any(d.startswith("data: checkpoint ") for d in diffs):  # another path: its content says nothing of this one
+      if _other_path(saved, expected):  # the path, named above: this run's content says nothing of that data
         continue
       diffs.append(f"data: {expected.get('data')!r} held other data when the checkpoint was saved: {a} then, {b} "
                    "now (token counts for training and held out, and a sha256 of each file's size and ends; "
