@@ -4,8 +4,8 @@ Sources (`--data`):
   (default)     the Python standard library's own .py files read as bytes: present on
                 every machine, no download; every 10th file (sorted) is held out.
   PATH          a text file or a folder of text files (one holding python -m train's run
-                folders is refused), byte-level (vocab 256); a folder splits by file
-                like the default, a single file keeps its last 10%.
+                folders or llm.c token shards is refused), byte-level (vocab 256); a
+                folder splits by file like the default, a single file keeps its last 10%.
   'DIR/*.bin'   llm.c / modded-nanogpt GPT-2 token shards (256 x int32 header, magic
                 20240520, version 1, token count; then uint16 tokens), memory-mapped.
                 Files with 'val' in the name are held out; without any, the last shard is.
@@ -36,6 +36,7 @@ import glob
 import hashlib
 import itertools
 import os
+import shlex
 import sysconfig
 
 import numpy as np
@@ -281,6 +282,48 @@ def _run_folders(files: list[str]) -> list[str]:
   return sorted(runs)
 
 
+def _text_files(spec: str) -> list[str]:
+  """The files of folder `spec` (_folder_files), refused where they are not all text: none, python -m train's run
+  folders, or llm.c token shards (read as bytes, they would train on their header and uint16 halves)."""
+  files = _folder_files(spec)
+  if not files:
+    raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
+  runs = _run_folders(files)
+  top = os.path.abspath(spec)
+  if around := [r for r in runs if os.path.commonpath([os.path.abspath(r), top]) == os.path.abspath(r)]:
+    raise ValueError(f"--data {spec!r} is python -m train's run folder {around[0]} or a checkpoint step in it "
+                     "(checkpoints and logs, not text); give a folder of text files")
+  if runs:
+    raise ValueError(f"--data {spec!r} holds {len(runs)} python -m train run folder(s) ({', '.join(runs[:3])}"
+                     f"{', ...' if len(runs) > 3 else ''}: checkpoints and logs, not text); they would be read as "
+                     "training text. Give a folder that holds text only: move the run folders out of it, or "
+                     "give a subfolder of it that has none")
+  if shards := [f for f in files if _is_shard(f)]:
+    raise ValueError(_shards_in_folder(spec, shards, len(files)))
+  return files
+
+
+def _is_shard(path: str) -> bool:
+  """Whether `path` is an llm.c token shard, by its name and its first 4 bytes (read_shard's magic)."""
+  if not path.endswith(".bin"):
+    return False
+  with open(path, "rb") as f:
+    head = f.read(4)
+  return len(head) == 4 and int(np.frombuffer(head, np.int32)[0]) == SHARD_MAGIC
+
+
+def _shards_in_folder(spec: str, shards: list[str], n_files: int) -> str:
+  """Why folder `spec`, whose `n_files` files include `shards`, is refused, and the pattern that reads the shards."""
+  folders = sorted({os.path.dirname(s) for s in shards})
+  patterns = " or ".join(f"--data {shlex.quote(os.path.join(d, '*.bin'))}" for d in folders[:3])
+  others = n_files - len(shards)
+  mixed = f" beside {others} other file(s)" if others else ""
+  return (f"--data {spec!r} holds {len(shards)} llm.c token shard(s){mixed}: a folder is read as text (UTF-8 bytes), "
+          f"so the shards' GPT-2 tokens would be trained on as bytes. To train on them as GPT-2 tokens give the quoted "
+          f"pattern {patterns} (a pattern reads one folder's shards, not its subfolders)"
+          + ("; for the text, a folder without the shards" if others else ""))
+
+
 def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
   """The data of `spec` (module docstring) for windows of seq_len; pack: also every training document packed."""
   check_source(spec)
@@ -289,20 +332,7 @@ def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
   if spec.endswith(".bin"):
     return _shards(spec, seq_len, pack)
   if os.path.isdir(spec):
-    files = _folder_files(spec)
-    if not files:
-      raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
-    runs = _run_folders(files)
-    top = os.path.abspath(spec)
-    if around := [r for r in runs if os.path.commonpath([os.path.abspath(r), top]) == os.path.abspath(r)]:
-      raise ValueError(f"--data {spec!r} is python -m train's run folder {around[0]} or a checkpoint step in it "
-                       "(checkpoints and logs, not text); give a folder of text files")
-    if runs:
-      raise ValueError(f"--data {spec!r} holds {len(runs)} python -m train run folder(s) ({', '.join(runs[:3])}"
-                       f"{', ...' if len(runs) > 3 else ''}: checkpoints and logs, not text); they would be read as "
-                       "training text. Give a folder that holds text only: move the run folders out of it, or "
-                       "give a subfolder of it that has none")
-    return _split_bytes(spec, files, seq_len, pack)
+    return _split_bytes(spec, _text_files(spec), seq_len, pack)
   if os.path.isfile(spec):
     if os.path.getsize(spec) == 0:
       raise ValueError(f"--data {spec!r} is empty")
