@@ -492,6 +492,13 @@ BAD_FLAGS = {
                                       "--allow-change applies to a resume from --ckpt-dir; without it the run starts "
                                       "in a new folder of its own (runs/train-YYYYmmdd-HHMMSS) with nothing to "
                                       "resume: give --ckpt-dir"),
+    "shard-pattern-unquoted": (lambda d: ["--data", *(str(d / f"s_{i}.bin") for i in range(5))],
+                               "--data {d}/s_0.bin is followed by 4 more .bin file(s) ({d}/s_1.bin {d}/s_2.bin "
+                               "{d}/s_3.bin ...): the shell expanded an unquoted pattern into the files it matches, and "
+                               "--data takes one. Quote the pattern so that it reaches python -m train whole: "
+                               "--data '{d}/*.bin'"),
+    "unrecognized-argument": (lambda d: ["--data", str(d / "a.bin"), str(d / "notes.txt")],  # not all .bin: argparse's
+                              f"unrecognized arguments: {{d}}/notes.txt"),
     "multihost-partial": (lambda d: ["--num-processes", "2"], "multi-host runs need all of --coordinator-address"),
     "multihost-process-id": (lambda d: ["--coordinator-address", "127.0.0.1:1", "--num-processes", "1",
                                         "--process-id", "3"], "--process-id 3 must be below --num-processes 1"),

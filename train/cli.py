@@ -78,8 +78,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
   p.add_argument("--data", help="text file, folder of text (every file under it; no run folders of python -m train), "
-                                "or 'DIR/*.bin' token shards; default: the installed Python's standard library "
-                                "sources, read at run time (no download)")
+                                "or 'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed "
+                                "Python's standard library sources, read at run time (no download)")
   keep = p.add_mutually_exclusive_group()
   keep.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: a new "
                                        f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
@@ -233,8 +233,24 @@ def _flags_named(message: str) -> str:
   return f" ({', '.join(named)})" if named else ""
 
 
+def parse(argv=None) -> argparse.Namespace:
+  """The flags of `argv`, as parser().parse_args reads them; where --data's .bin is followed by more .bin files, the
+  shell expanded an unquoted pattern ('--data d/*.bin' into '--data d/a.bin d/b.bin ...'), and the error says so
+  rather than 'unrecognized arguments'."""
+  p = parser()
+  a, extra = p.parse_known_args(argv)
+  if extra and (a.data or "").endswith(".bin") and all(x.endswith(".bin") for x in extra):
+    pattern = shlex.quote(os.path.join(os.path.dirname(a.data), "*.bin"))
+    p.error(f"--data {a.data} is followed by {len(extra)} more .bin file(s) ({' '.join(extra[:3])}"
+            f"{' ...' if len(extra) > 3 else ''}): the shell expanded an unquoted pattern into the files it matches, "
+            f"and --data takes one. Quote the pattern so that it reaches python -m train whole: --data {pattern}")
+  if extra:
+    p.error(f"unrecognized arguments: {' '.join(extra)}")  # parse_args's own message
+  return a
+
+
 def main(argv=None) -> None:
-  a = parser().parse_args(argv)
+  a = parse(argv)
   if (ignored := _checkpoint_flags(a)) is not None:
     print(f"error: {ignored}", file=sys.stderr)
     sys.exit(2)
