@@ -178,12 +178,25 @@ def _shards(pattern: str, seq_len: int, pack: bool) -> Dataset:
   if not train_paths:
     raise ValueError(f"--data {pattern!r}: {len(paths)} shard(s), none left for training after holding out "
                      f"{', '.join(val_paths)} for validation; give at least two shards")
-  packed = packing.from_shards([shards[p] for p in train_paths], seq_len) if pack else None
-  train = _usable([shards[p] for p in train_paths], seq_len)
-  val = _usable([shards[p] for p in val_paths], seq_len)
+  train_shards, val_shards = [shards[p] for p in train_paths], [shards[p] for p in val_paths]
+  packed = packing.from_shards(train_shards, seq_len) if pack else None
+  train, val = _usable(train_shards, seq_len), _usable(val_shards, seq_len)
   if not (packed.n_rows if pack else train) or not val:
-    raise ValueError(f"--data {pattern!r}: shards too short for seq_len {seq_len}")
+    raise ValueError(_shards_too_short(pattern, train_shards, val_shards, seq_len, pack))
   return Dataset(pattern, sample.GPT2, train, val, packed, files=tuple(paths))
+
+
+def _shards_too_short(pattern: str, train: list[np.ndarray], val: list[np.ndarray], seq_len: int, pack: bool) -> str:
+  """Why the shards of `pattern` are too short for seq_len, with their lengths, and the largest --seq-len that fits:
+  validation (unpacked in both modes) and unpacked training need a shard longer than a window of seq_len + 1 tokens;
+  packed training a row, seq_len + 1 tokens of one shard (packing.from_shards)."""
+  window, longest_train, longest_val = seq_len + 1, max(map(len, train)), max(map(len, val))
+  rule = f"a window needs a shard of more than {window} tokens" + (
+      f" (validation's; packed training needs {window} tokens in one training shard)" if pack else "")
+  fit = min(longest_val - 2, longest_train - 1 if pack else longest_train - 2)  # the largest --seq-len that works
+  return (f"--data {pattern!r}: shards too short for --seq-len {seq_len}: {rule}, and the longest training shard has "
+          f"{longest_train} tokens, the longest validation shard {longest_val}. Give longer shards"
+          + (f", or --seq-len {fit} or less" if fit >= 1 else ""))
 
 
 def stdlib_files() -> list[str]:
