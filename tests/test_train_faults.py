@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import models
-from train import checkpoint, cli, data, lock, loop, optim, signals, stepdirs
+from train import checkpoint, cli, config, data, lock, loop, optim, signals, stepdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -774,6 +774,26 @@ def test_what_data_reads_is_what_load_reads(tmp_path, monkeypatch):
   assert not data.reads("shards/*.bin", "shards/.m.bin")
   os.symlink("..", "corpus/up")  # a loop of links ends
   assert data.reads("corpus", "shards-x")  # the link leads above: glob reads all there, and so it ends
+
+
+def test_the_run_outputs_are_checked_with_one_walk_of_the_data_folder_the_walk_load_makes(tmp_path, monkeypatch):
+  """TrainConfig checks all of the run's outputs against what --data reads with one walk of the folder (it walked it
+  again for each), and that walk is load's: a link inside --data to a hidden folder is read through the link, so an
+  output in that folder is refused (it was let through, then read as training text on the next start)."""
+  monkeypatch.chdir(tmp_path)
+  os.makedirs("corpus/.hidden")
+  os.symlink(".hidden", "corpus/link")
+  (tmp_path / "corpus" / ".hidden" / "a.txt").write_text("x = 1\n" * 300)
+  assert data.load("corpus", 16).files == ("corpus/link/a.txt",)
+  assert data.reads("corpus", "corpus/.hidden/ck") and not data.reads("corpus", "corpus/.other/ck")
+  walks, real_walk = [], os.walk
+  monkeypatch.setattr(os, "walk", lambda top, **kw: walks.append(top) or real_walk(top, **kw))
+  with pytest.raises(ValueError) as e:
+    config.TrainConfig(model=models.preset("tiny"), steps=20, data="corpus", ckpt_dir="corpus/ck",
+                       metrics="corpus/sub/m.jsonl", profile_dir="corpus/.hidden/p")
+  assert walks == ["corpus"], walks
+  assert all(f"{output} lies in what --data corpus reads" in str(e.value)
+             for output in ("--ckpt-dir corpus/ck", "--metrics corpus/sub/m.jsonl", "--profile-dir corpus/.hidden/p")), e.value
 
 
 def test_a_window_pattern_longer_than_the_model_resumes_as_the_layers_used_it(tmp_path):

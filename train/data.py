@@ -38,6 +38,7 @@ import itertools
 import os
 import shlex
 import sysconfig
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -230,38 +231,34 @@ def source(spec: str | None) -> str:
 
 def reads(spec: str | None, path: str) -> bool:
   """Whether loading `spec` reads the file `path`, or files under the folder `path` (either may not exist yet):
-  what a run must not write to, or its own output becomes its data (train.config checks the run's outputs)."""
-  path = os.path.realpath(path)
+  what a run must not write to, or its own output becomes its data. read_by(spec) asks it of several paths."""
+  return read_by(spec)(path)
+
+
+def read_by(spec: str | None) -> Callable[[str], bool]:
+  """reads(spec, ·), for every path asked with one walk of `spec`'s folder, made now, as load walks it (_walk):
+  train.config checks all of the run's outputs with one."""
   if spec is None:  # the standard library's top-level .py files
-    return os.path.dirname(path) == os.path.realpath(sysconfig.get_paths()["stdlib"]) and path.endswith(".py")
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    def in_stdlib(path: str) -> bool:
+      real = os.path.realpath(path)
+      return os.path.dirname(real) == stdlib and real.endswith(".py")
+    return in_stdlib
   if spec.endswith(".bin"):  # the files the pattern matches, as glob matches them; a folder's files never end in .bin
-    return _glob_matches(source(spec), path)
-  return any(_within(path, root) for root in _read_roots(spec))
+    return lambda path: _glob_matches(source(spec), os.path.realpath(path))
+  folders = {os.path.realpath(spec)} | {os.path.realpath(top) for top, _ in _walk(spec)}  # a file: only itself
+  return lambda path: _reached(os.path.realpath(path), folders)
 
 
-def _within(path: str, root: str) -> bool:
-  """Whether real path `path` is `root` or lies under it where glob's "**/*" reads (no name starting with ".")."""
-  if path != root and not path.startswith(os.path.join(root, "")):
-    return False
-  return not any(part.startswith(".") for part in os.path.relpath(path, root).split(os.sep) if part != ".")
-
-
-def _read_roots(spec: str) -> list[str]:
-  """The real paths load() reads files under for --data `spec`: the file or folder itself, and every folder a
-  link inside it leads to (glob's recursion follows links to folders)."""
-  roots, todo = [os.path.realpath(spec)], [spec]
-  while todo:  # each real folder once: links that loop end here
-    folder = todo.pop()
-    for entry in os.scandir(folder) if os.path.isdir(folder) else []:
-      if entry.name.startswith(".") or not entry.is_dir():
-        continue
-      real = os.path.realpath(entry.path)
-      if entry.is_symlink() and not any(real == r or real.startswith(os.path.join(r, "")) for r in roots):
-        roots.append(real)
-      elif entry.is_symlink():
-        continue
-      todo.append(entry.path)
-  return roots
+def _reached(path: str, folders: set[str]) -> bool:
+  """Whether real path `path` is one of `folders` (the real paths of the folders a walk went through) or lies under
+  one by names the walk takes (none starting with "."), so that it is read, or would be once made."""
+  while path not in folders:
+    parent, name = os.path.split(path)
+    if parent == path or name.startswith("."):
+      return False
+    path = parent
+  return True
 
 
 def _glob_matches(pattern: str, path: str) -> bool:
@@ -272,17 +269,22 @@ def _glob_matches(pattern: str, path: str) -> bool:
       fnmatch.fnmatchcase(h, w) and (not h.startswith(".") or w.startswith(".")) for w, h in zip(want, have))
 
 
-def _folder_files(folder: str) -> list[str]:
-  """The files under `folder`, sorted, each once: as glob's "**/*" finds them (links followed, no name starting with
-  "."), but a folder reached again through a link is not walked again and a file reached by two paths is read by
-  the first. glob walks every path: a link back up the tree made it read each file some 40 times over (into both
-  training and validation), and two such paths made it run for ever."""
-  found, walked = [], set()
+def _walk(folder: str) -> Iterator[tuple[str, list[str]]]:
+  """(path, names) of each folder load reads under `folder`, with the names in it that it may read (no name
+  starting with "."; files, links and others): as glob's "**/*" walks (links followed), but each real folder once,
+  under the first path that reaches it. glob walks every path: a link back up the tree made it read each file some
+  40 times over (into both training and validation), and two such paths made it run for ever."""
+  walked = set()
   for top, dirs, names in os.walk(folder, followlinks=True):
     walked.add(os.path.realpath(top))
     dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(top, d)) not in walked)
     walked.update(os.path.realpath(os.path.join(top, d)) for d in dirs)  # each folder under one path only
-    found += [os.path.join(top, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(top, n))]
+    yield top, [n for n in names if not n.startswith(".")]
+
+
+def _folder_files(folder: str) -> list[str]:
+  """The files under `folder` (_walk), sorted, each once: a file reached by two paths is read by the first."""
+  found = [os.path.join(top, n) for top, names in _walk(folder) for n in names if os.path.isfile(os.path.join(top, n))]
   seen = set()
   return [p for p in sorted(found) if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
