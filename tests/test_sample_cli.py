@@ -10,11 +10,13 @@ import io
 import os
 import shlex
 import shutil
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+from tests.test_train import write_shard
 from train import checkpoint, cli, hosts, lock, loop, sample, sample_cli, stepdirs
 
 TRAIN = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "4", "--ckpt-every", "2",
@@ -198,6 +200,30 @@ def test_prompts_of_gpt2_tokens_need_tiktoken():
       sample.encode("hi", sample.GPT2)
   else:
     assert len(sample.encode("hi", sample.GPT2)) >= 1
+
+
+def test_the_sample_command_after_gpt2_shards_says_it_needs_tiktoken_where_it_is_missing(tmp_path, monkeypatch,
+                                                                                        capsys):
+  """python -m sample takes GPT-2 tokens through tiktoken: without it, the command the trainer offers (at the end of
+  a run, and where a rerun has nothing to train) says what it needs, and quotes no prompt (the end-of-run sample's,
+  decoded without tiktoken, is token ids, not text). It printed a command that then failed."""
+  monkeypatch.setitem(sys.modules, "tiktoken", None)  # import tiktoken raises ImportError, installed or not
+  write_shard(tmp_path / "a_train.bin", np.arange(300) % 1000)
+  write_shard(tmp_path / "b_val.bin", np.arange(300) % 1000)
+  run = tmp_path / "run"
+  flags = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--eval-every", "0",
+           "--sample-tokens", "4", "--vocab-size", "50304", "--data", str(tmp_path / "*.bin"), "--ckpt-dir", str(run)]
+  cli.main([*flags, "--steps", "2"])
+  printed = capsys.readouterr().out
+  assert "sample:\ntoken ids: " in printed, printed
+  assert printed.strip().splitlines()[-2:] == [
+      f"model saved in {run} (step 2); sample from it (needs tiktoken: pip install tiktoken) with:",
+      f"  python -m sample --ckpt-dir {run}"], printed
+  with pytest.raises(SystemExit) as e:
+    cli.main([*flags, "--steps", "1"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and f"or sample from it (needs tiktoken: pip install tiktoken): python -m sample --ckpt-dir " \
+                               f"{run}" in err, err
 
 
 def test_the_tokenizer_is_the_datas_and_the_vocabulary_decides_only_where_the_checkpoint_does_not_say():

@@ -418,6 +418,59 @@ def test_token_shards_are_read_and_batches_are_deterministic(tmp_path):
   assert not np.array_equal(x, ds.batch("train", 3, 6, 4, 16)[0])
 
 
+def test_shards_too_short_say_their_lengths_and_the_seq_len_that_fits(tmp_path):
+  """A window needs a shard longer than seq_len + 1 tokens (validation always, training unpacked); a packed row needs
+  seq_len + 1 tokens of one training shard. The error gives the longest of each and the largest --seq-len that
+  works, which then loads, as one more does not."""
+  write_shard(tmp_path / "a_train.bin", np.arange(100))
+  write_shard(tmp_path / "b_train.bin", np.arange(40))
+  write_shard(tmp_path / "c_val.bin", np.arange(50))
+  spec = str(tmp_path / "*.bin")
+  with pytest.raises(ValueError) as e:
+    data.load(spec, 64)
+  assert str(e.value) == (f"--data {spec!r}: shards too short for --seq-len 64: a window needs a shard of more than "
+                          "65 tokens, and the longest training shard has 100 tokens, the longest validation shard 50. "
+                          "Give longer shards, or --seq-len 48 or less"), e.value
+  data.load(spec, 48)  # as it says
+  with pytest.raises(ValueError, match="or --seq-len 48 or less"):
+    data.load(spec, 49)
+  write_shard(tmp_path / "a_train.bin", np.arange(30))  # packed: a row of 31 + 1 tokens needs the 40-token shard
+  write_shard(tmp_path / "c_val.bin", np.arange(300))
+  with pytest.raises(ValueError) as e:
+    data.load(spec, 64, pack=True)
+  assert "a window needs a shard of more than 65 tokens (validation's; packed training needs 65 tokens in one " \
+         "training shard), and the longest training shard has 40 tokens, the longest validation shard 300. Give " \
+         "longer shards, or --seq-len 39 or less" in str(e.value), e.value
+  assert data.load(spec, 39, pack=True).packed.n_rows == 1
+  with pytest.raises(ValueError, match="or --seq-len 39 or less"):
+    data.load(spec, 40, pack=True)
+
+
+def test_a_folder_of_token_shards_is_refused_naming_the_pattern_that_reads_them(tmp_path):
+  """--data DIR reads a folder as text: llm.c shards there were trained on as bytes (header and uint16 halves).
+  Refused, alone or beside text, with the quoted pattern that reads them as GPT-2 tokens; a .bin without the
+  shard magic is text."""
+  d = tmp_path / "d"
+  d.mkdir()
+  write_shard(d / "a_train.bin", np.arange(300))
+  write_shard(d / "b_val.bin", np.arange(300))
+  with pytest.raises(ValueError) as e:
+    data.load(str(d), 16)
+  assert f"--data {str(d)!r} holds 2 llm.c token shard(s): a folder is read as text" in str(e.value), e.value
+  assert f"give the quoted pattern --data '{d}/*.bin'" in str(e.value), e.value
+  assert "without the shards" not in str(e.value)
+  (d / "notes.txt").write_bytes(b"x" * 300)
+  with pytest.raises(ValueError, match=r"holds 2 llm.c token shard\(s\) beside 1 other file\(s\).*; for the "
+                                       r"text, a folder without the shards"):
+    data.load(str(d), 16)
+  assert len(data.load(str(d / "*.bin"), 16).train) == 1  # as it says
+  t = tmp_path / "t"
+  t.mkdir()
+  (t / "notes.txt").write_bytes(b"x" * 300)
+  (t / "table.bin").write_bytes(b"y" * 300)  # no magic: text
+  assert data.load(str(t), 16).files == (str(t / "notes.txt"), str(t / "table.bin"))
+
+
 def test_stdlib_corpus_is_split_by_file():
   ds = data.load(None, 128)
   assert len(ds.train) > 50 and len(ds.val) > 5 and ds.vocab_size == 256

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import models
-from train import checkpoint, cli, data, lock, loop, optim, signals, stepdirs
+from train import checkpoint, cli, config, data, lock, loop, optim, signals, stepdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -492,6 +492,13 @@ BAD_FLAGS = {
                                       "--allow-change applies to a resume from --ckpt-dir; without it the run starts "
                                       "in a new folder of its own (runs/train-YYYYmmdd-HHMMSS) with nothing to "
                                       "resume: give --ckpt-dir"),
+    "shard-pattern-unquoted": (lambda d: ["--data", *(str(d / f"s_{i}.bin") for i in range(5))],
+                               "--data {d}/s_0.bin is followed by 4 more .bin file(s) ({d}/s_1.bin {d}/s_2.bin "
+                               "{d}/s_3.bin ...): the shell expanded an unquoted pattern into the files it matches, and "
+                               "--data takes one. Quote the pattern so that it reaches python -m train whole: "
+                               "--data '{d}/*.bin'"),
+    "unrecognized-argument": (lambda d: ["--data", str(d / "a.bin"), str(d / "notes.txt")],  # not all .bin: argparse's
+                              f"unrecognized arguments: {{d}}/notes.txt"),
     "multihost-partial": (lambda d: ["--num-processes", "2"], "multi-host runs need all of --coordinator-address"),
     "multihost-process-id": (lambda d: ["--coordinator-address", "127.0.0.1:1", "--num-processes", "1",
                                         "--process-id", "3"], "--process-id 3 must be below --num-processes 1"),
@@ -790,6 +797,26 @@ def test_what_data_reads_is_what_load_reads(tmp_path, monkeypatch):
   assert not data.reads("shards/*.bin", "shards/.m.bin")
   os.symlink("..", "corpus/up")  # a loop of links ends
   assert data.reads("corpus", "shards-x")  # the link leads above: glob reads all there, and so it ends
+
+
+def test_the_run_outputs_are_checked_with_one_walk_of_the_data_folder_the_walk_load_makes(tmp_path, monkeypatch):
+  """TrainConfig checks all of the run's outputs against what --data reads with one walk of the folder (it walked it
+  again for each), and that walk is load's: a link inside --data to a hidden folder is read through the link, so an
+  output in that folder is refused (it was let through, then read as training text on the next start)."""
+  monkeypatch.chdir(tmp_path)
+  os.makedirs("corpus/.hidden")
+  os.symlink(".hidden", "corpus/link")
+  (tmp_path / "corpus" / ".hidden" / "a.txt").write_text("x = 1\n" * 300)
+  assert data.load("corpus", 16).files == ("corpus/link/a.txt",)
+  assert data.reads("corpus", "corpus/.hidden/ck") and not data.reads("corpus", "corpus/.other/ck")
+  walks, real_walk = [], os.walk
+  monkeypatch.setattr(os, "walk", lambda top, **kw: walks.append(top) or real_walk(top, **kw))
+  with pytest.raises(ValueError) as e:
+    config.TrainConfig(model=models.preset("tiny"), steps=20, data="corpus", ckpt_dir="corpus/ck",
+                       metrics="corpus/sub/m.jsonl", profile_dir="corpus/.hidden/p")
+  assert walks == ["corpus"], walks
+  assert all(f"{output} lies in what --data corpus reads" in str(e.value)
+             for output in ("--ckpt-dir corpus/ck", "--metrics corpus/sub/m.jsonl", "--profile-dir corpus/.hidden/p")), e.value
 
 
 def test_a_window_pattern_longer_than_the_model_resumes_as_the_layers_used_it(tmp_path):

@@ -28,7 +28,7 @@ from attnlayers import spec
 from attnlayers.cli import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, data, hosts, lock, loop, metrics, report, signals, undo
+from train import checkpoint, config, data, hosts, lock, loop, metrics, report, sample, signals, undo
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -78,8 +78,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
   p.add_argument("--data", help="text file, folder of text (every file under it; no run folders of python -m train), "
-                                "or 'DIR/*.bin' token shards; default: the installed Python's standard library "
-                                "sources, read at run time (no download)")
+                                "or 'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed "
+                                "Python's standard library sources, read at run time (no download)")
   keep = p.add_mutually_exclusive_group()
   keep.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: a new "
                                        f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
@@ -168,10 +168,14 @@ def write_latest(path: str) -> None:
   os.replace(LATEST + ".tmp", LATEST)
 
 
-def _sample_command(ckpt_dir: str, prompt: str | None) -> str:
-  """The python -m sample command for `ckpt_dir`, prompted with the first line of `prompt` (up to 40 characters)."""
-  line = next((l.strip() for l in (prompt or "").splitlines() if l.strip()), "")[:40]
-  return f"python -m sample --ckpt-dir {shlex.quote(ckpt_dir)}" + (f" --prompt {shlex.quote(line)}" if line else "")
+def _sample_command(ckpt_dir: str, prompt: str | None, tokenizer: str) -> str:
+  """How to sample from `ckpt_dir`: the python -m sample command, prompted with the first line of `prompt` (up to 40
+  characters). Where python -m sample cannot take the model's tokens here (GPT-2 BPE without tiktoken), what it
+  needs first, and no prompt: the end-of-run sample's, decoded without tiktoken, is token ids, not text."""
+  needs = sample.missing(tokenizer)
+  line = "" if needs else next((l.strip() for l in (prompt or "").splitlines() if l.strip()), "")[:40]
+  command = f"python -m sample --ckpt-dir {shlex.quote(ckpt_dir)}" + (f" --prompt {shlex.quote(line)}" if line else "")
+  return f"sample from it ({needs}) with:\n  {command}" if needs else f"sample from it with:\n  {command}"
 
 
 def _flag_hint(e: Exception, a: argparse.Namespace) -> str:
@@ -233,8 +237,24 @@ def _flags_named(message: str) -> str:
   return f" ({', '.join(named)})" if named else ""
 
 
+def parse(argv=None) -> argparse.Namespace:
+  """The flags of `argv`, as parser().parse_args reads them; where --data's .bin is followed by more .bin files, the
+  shell expanded an unquoted pattern ('--data d/*.bin' into '--data d/a.bin d/b.bin ...'), and the error says so
+  rather than 'unrecognized arguments'."""
+  p = parser()
+  a, extra = p.parse_known_args(argv)
+  if extra and (a.data or "").endswith(".bin") and all(x.endswith(".bin") for x in extra):
+    pattern = shlex.quote(os.path.join(os.path.dirname(a.data), "*.bin"))
+    p.error(f"--data {a.data} is followed by {len(extra)} more .bin file(s) ({' '.join(extra[:3])}"
+            f"{' ...' if len(extra) > 3 else ''}): the shell expanded an unquoted pattern into the files it matches, "
+            f"and --data takes one. Quote the pattern so that it reaches python -m train whole: --data {pattern}")
+  if extra:
+    p.error(f"unrecognized arguments: {' '.join(extra)}")  # parse_args's own message
+  return a
+
+
 def main(argv=None) -> None:
-  a = parser().parse_args(argv)
+  a = parse(argv)
   if (ignored := _checkpoint_flags(a)) is not None:
     print(f"error: {ignored}", file=sys.stderr)
     sys.exit(2)
@@ -303,17 +323,18 @@ def main(argv=None) -> None:
       _discard_if_unused(cfg.ckpt_dir, made)
     print(f"error: {e}{_flag_hint(e, a)}", file=sys.stderr)
     sys.exit(2)
-  sample, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
+  sampled, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
   if jax.process_index() != 0:
     return
   print(metrics.dumps(summary))
-  if sample is not None:
-    print(f"prompt (the start of the first validation text):\n{prompt}\nsample:\n{sample}")
+  if sampled is not None:
+    print(f"prompt (the start of the first validation text):\n{prompt}\nsample:\n{sampled}")
   if cfg.ckpt_dir:
     if fresh:
       write_latest(cfg.ckpt_dir)
     saved = "model saved in" if summary["final_loss"] is not None else "no step to train: the model was saved in"
-    print(f"{saved} {cfg.ckpt_dir} (step {cfg.steps}); sample from it with:\n  " + _sample_command(cfg.ckpt_dir, prompt))
+    tokens = data.tokenizer(data.source(cfg.data))
+    print(f"{saved} {cfg.ckpt_dir} (step {cfg.steps}); " + _sample_command(cfg.ckpt_dir, prompt, tokens))
 
 
 if __name__ == "__main__":

@@ -67,9 +67,11 @@ class TrainConfig:
     outputs = [("--ckpt-dir", self.ckpt_dir, "checkpoints"), ("--metrics", self.metrics, "metrics file"),
                ("--profile-dir", self.profile_dir, "profiler trace")]
     where = self.data or "(default: the standard library's top-level .py files)"
+    given = [(flag, path, what) for flag, path, what in outputs if path]
+    read = data.read_by(self.data) if given else None  # a --data folder walked once for them all
     return [f"{flag} {path} lies in what --data {where} reads: this run's {what} would become training text on "
             f"the next start, which then could not resume (other data); give {flag} a path outside it"
-            for flag, path, what in outputs if path and data.reads(self.data, path)]
+            for flag, path, what in given if read(path)]
 
   def trajectory(self) -> dict:
     """The TRAJECTORY settings' values, which a checkpoint records (checkpoint.check_meta)."""

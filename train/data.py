@@ -4,8 +4,8 @@ Sources (`--data`):
   (default)     the Python standard library's own .py files read as bytes: present on
                 every machine, no download; every 10th file (sorted) is held out.
   PATH          a text file or a folder of text files (one holding python -m train's run
-                folders is refused), byte-level (vocab 256); a folder splits by file
-                like the default, a single file keeps its last 10%.
+                folders or llm.c token shards is refused), byte-level (vocab 256); a
+                folder splits by file like the default, a single file keeps its last 10%.
   'DIR/*.bin'   llm.c / modded-nanogpt GPT-2 token shards (256 x int32 header, magic
                 20240520, version 1, token count; then uint16 tokens), memory-mapped.
                 Files with 'val' in the name are held out; without any, the last shard is.
@@ -36,7 +36,9 @@ import glob
 import hashlib
 import itertools
 import os
+import shlex
 import sysconfig
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -177,12 +179,25 @@ def _shards(pattern: str, seq_len: int, pack: bool) -> Dataset:
   if not train_paths:
     raise ValueError(f"--data {pattern!r}: {len(paths)} shard(s), none left for training after holding out "
                      f"{', '.join(val_paths)} for validation; give at least two shards")
-  packed = packing.from_shards([shards[p] for p in train_paths], seq_len) if pack else None
-  train = _usable([shards[p] for p in train_paths], seq_len)
-  val = _usable([shards[p] for p in val_paths], seq_len)
+  train_shards, val_shards = [shards[p] for p in train_paths], [shards[p] for p in val_paths]
+  packed = packing.from_shards(train_shards, seq_len) if pack else None
+  train, val = _usable(train_shards, seq_len), _usable(val_shards, seq_len)
   if not (packed.n_rows if pack else train) or not val:
-    raise ValueError(f"--data {pattern!r}: shards too short for seq_len {seq_len}")
+    raise ValueError(_shards_too_short(pattern, train_shards, val_shards, seq_len, pack))
   return Dataset(pattern, sample.GPT2, train, val, packed, files=tuple(paths))
+
+
+def _shards_too_short(pattern: str, train: list[np.ndarray], val: list[np.ndarray], seq_len: int, pack: bool) -> str:
+  """Why the shards of `pattern` are too short for seq_len, with their lengths, and the largest --seq-len that fits:
+  validation (unpacked in both modes) and unpacked training need a shard longer than a window of seq_len + 1 tokens;
+  packed training a row, seq_len + 1 tokens of one shard (packing.from_shards)."""
+  window, longest_train, longest_val = seq_len + 1, max(map(len, train)), max(map(len, val))
+  rule = f"a window needs a shard of more than {window} tokens" + (
+      f" (validation's; packed training needs {window} tokens in one training shard)" if pack else "")
+  fit = min(longest_val - 2, longest_train - 1 if pack else longest_train - 2)  # the largest --seq-len that works
+  return (f"--data {pattern!r}: shards too short for --seq-len {seq_len}: {rule}, and the longest training shard has "
+          f"{longest_train} tokens, the longest validation shard {longest_val}. Give longer shards"
+          + (f", or --seq-len {fit} or less" if fit >= 1 else ""))
 
 
 def stdlib_files() -> list[str]:
@@ -216,38 +231,34 @@ def source(spec: str | None) -> str:
 
 def reads(spec: str | None, path: str) -> bool:
   """Whether loading `spec` reads the file `path`, or files under the folder `path` (either may not exist yet):
-  what a run must not write to, or its own output becomes its data (train.config checks the run's outputs)."""
-  path = os.path.realpath(path)
+  what a run must not write to, or its own output becomes its data. read_by(spec) asks it of several paths."""
+  return read_by(spec)(path)
+
+
+def read_by(spec: str | None) -> Callable[[str], bool]:
+  """reads(spec, ·), for every path asked with one walk of `spec`'s folder, made now, as load walks it (_walk):
+  train.config checks all of the run's outputs with one."""
   if spec is None:  # the standard library's top-level .py files
-    return os.path.dirname(path) == os.path.realpath(sysconfig.get_paths()["stdlib"]) and path.endswith(".py")
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    def in_stdlib(path: str) -> bool:
+      real = os.path.realpath(path)
+      return os.path.dirname(real) == stdlib and real.endswith(".py")
+    return in_stdlib
   if spec.endswith(".bin"):  # the files the pattern matches, as glob matches them; a folder's files never end in .bin
-    return _glob_matches(source(spec), path)
-  return any(_within(path, root) for root in _read_roots(spec))
+    return lambda path: _glob_matches(source(spec), os.path.realpath(path))
+  folders = {os.path.realpath(spec)} | {os.path.realpath(top) for top, _ in _walk(spec)}  # a file: only itself
+  return lambda path: _reached(os.path.realpath(path), folders)
 
 
-def _within(path: str, root: str) -> bool:
-  """Whether real path `path` is `root` or lies under it where glob's "**/*" reads (no name starting with ".")."""
-  if path != root and not path.startswith(os.path.join(root, "")):
-    return False
-  return not any(part.startswith(".") for part in os.path.relpath(path, root).split(os.sep) if part != ".")
-
-
-def _read_roots(spec: str) -> list[str]:
-  """The real paths load() reads files under for --data `spec`: the file or folder itself, and every folder a
-  link inside it leads to (glob's recursion follows links to folders)."""
-  roots, todo = [os.path.realpath(spec)], [spec]
-  while todo:  # each real folder once: links that loop end here
-    folder = todo.pop()
-    for entry in os.scandir(folder) if os.path.isdir(folder) else []:
-      if entry.name.startswith(".") or not entry.is_dir():
-        continue
-      real = os.path.realpath(entry.path)
-      if entry.is_symlink() and not any(real == r or real.startswith(os.path.join(r, "")) for r in roots):
-        roots.append(real)
-      elif entry.is_symlink():
-        continue
-      todo.append(entry.path)
-  return roots
+def _reached(path: str, folders: set[str]) -> bool:
+  """Whether real path `path` is one of `folders` (the real paths of the folders a walk went through) or lies under
+  one by names the walk takes (none starting with "."), so that it is read, or would be once made."""
+  while path not in folders:
+    parent, name = os.path.split(path)
+    if parent == path or name.startswith("."):
+      return False
+    path = parent
+  return True
 
 
 def _glob_matches(pattern: str, path: str) -> bool:
@@ -258,17 +269,22 @@ def _glob_matches(pattern: str, path: str) -> bool:
       fnmatch.fnmatchcase(h, w) and (not h.startswith(".") or w.startswith(".")) for w, h in zip(want, have))
 
 
-def _folder_files(folder: str) -> list[str]:
-  """The files under `folder`, sorted, each once: as glob's "**/*" finds them (links followed, no name starting with
-  "."), but a folder reached again through a link is not walked again and a file reached by two paths is read by
-  the first. glob walks every path: a link back up the tree made it read each file some 40 times over (into both
-  training and validation), and two such paths made it run for ever."""
-  found, walked = [], set()
+def _walk(folder: str) -> Iterator[tuple[str, list[str]]]:
+  """(path, names) of each folder load reads under `folder`, with the names in it that it may read (no name
+  starting with "."; files, links and others): as glob's "**/*" walks (links followed), but each real folder once,
+  under the first path that reaches it. glob walks every path: a link back up the tree made it read each file some
+  40 times over (into both training and validation), and two such paths made it run for ever."""
+  walked = set()
   for top, dirs, names in os.walk(folder, followlinks=True):
     walked.add(os.path.realpath(top))
     dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(top, d)) not in walked)
     walked.update(os.path.realpath(os.path.join(top, d)) for d in dirs)  # each folder under one path only
-    found += [os.path.join(top, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(top, n))]
+    yield top, [n for n in names if not n.startswith(".")]
+
+
+def _folder_files(folder: str) -> list[str]:
+  """The files under `folder` (_walk), sorted, each once: a file reached by two paths is read by the first."""
+  found = [os.path.join(top, n) for top, names in _walk(folder) for n in names if os.path.isfile(os.path.join(top, n))]
   seen = set()
   return [p for p in sorted(found) if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
@@ -281,6 +297,48 @@ def _run_folders(files: list[str]) -> list[str]:
   return sorted(runs)
 
 
+def _text_files(spec: str) -> list[str]:
+  """The files of folder `spec` (_folder_files), refused where they are not all text: none, python -m train's run
+  folders, or llm.c token shards (read as bytes, they would train on their header and uint16 halves)."""
+  files = _folder_files(spec)
+  if not files:
+    raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
+  runs = _run_folders(files)
+  top = os.path.abspath(spec)
+  if around := [r for r in runs if os.path.commonpath([os.path.abspath(r), top]) == os.path.abspath(r)]:
+    raise ValueError(f"--data {spec!r} is python -m train's run folder {around[0]} or a checkpoint step in it "
+                     "(checkpoints and logs, not text); give a folder of text files")
+  if runs:
+    raise ValueError(f"--data {spec!r} holds {len(runs)} python -m train run folder(s) ({', '.join(runs[:3])}"
+                     f"{', ...' if len(runs) > 3 else ''}: checkpoints and logs, not text); they would be read as "
+                     "training text. Give a folder that holds text only: move the run folders out of it, or "
+                     "give a subfolder of it that has none")
+  if shards := [f for f in files if _is_shard(f)]:
+    raise ValueError(_shards_in_folder(spec, shards, len(files)))
+  return files
+
+
+def _is_shard(path: str) -> bool:
+  """Whether `path` is an llm.c token shard, by its name and its first 4 bytes (read_shard's magic)."""
+  if not path.endswith(".bin"):
+    return False
+  with open(path, "rb") as f:
+    head = f.read(4)
+  return len(head) == 4 and int(np.frombuffer(head, np.int32)[0]) == SHARD_MAGIC
+
+
+def _shards_in_folder(spec: str, shards: list[str], n_files: int) -> str:
+  """Why folder `spec`, whose `n_files` files include `shards`, is refused, and the pattern that reads the shards."""
+  folders = sorted({os.path.dirname(s) for s in shards})
+  patterns = " or ".join(f"--data {shlex.quote(os.path.join(d, '*.bin'))}" for d in folders[:3])
+  others = n_files - len(shards)
+  mixed = f" beside {others} other file(s)" if others else ""
+  return (f"--data {spec!r} holds {len(shards)} llm.c token shard(s){mixed}: a folder is read as text (UTF-8 bytes), "
+          f"so the shards' GPT-2 tokens would be trained on as bytes. To train on them as GPT-2 tokens give the quoted "
+          f"pattern {patterns} (a pattern reads one folder's shards, not its subfolders)"
+          + ("; for the text, a folder without the shards" if others else ""))
+
+
 def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
   """The data of `spec` (module docstring) for windows of seq_len; pack: also every training document packed."""
   check_source(spec)
@@ -289,20 +347,7 @@ def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
   if spec.endswith(".bin"):
     return _shards(spec, seq_len, pack)
   if os.path.isdir(spec):
-    files = _folder_files(spec)
-    if not files:
-      raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
-    runs = _run_folders(files)
-    top = os.path.abspath(spec)
-    if around := [r for r in runs if os.path.commonpath([os.path.abspath(r), top]) == os.path.abspath(r)]:
-      raise ValueError(f"--data {spec!r} is python -m train's run folder {around[0]} or a checkpoint step in it "
-                       "(checkpoints and logs, not text); give a folder of text files")
-    if runs:
-      raise ValueError(f"--data {spec!r} holds {len(runs)} python -m train run folder(s) ({', '.join(runs[:3])}"
-                       f"{', ...' if len(runs) > 3 else ''}: checkpoints and logs, not text); they would be read as "
-                       "training text. Give a folder that holds text only: move the run folders out of it, or "
-                       "give a subfolder of it that has none")
-    return _split_bytes(spec, files, seq_len, pack)
+    return _split_bytes(spec, _text_files(spec), seq_len, pack)
   if os.path.isfile(spec):
     if os.path.getsize(spec) == 0:
       raise ValueError(f"--data {spec!r} is empty")

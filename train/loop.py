@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 import models
 from models import kernels
-from train import checkpoint, data, hosts, metrics, report, signals, stepdirs, undo
+from train import checkpoint, data, hosts, metrics, report, sample, signals, stepdirs, undo
 from train.config import PROFILE_WINDOW, TrainConfig
 from train.step import Model, build, lr
 
@@ -145,9 +145,15 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict) -> tuple[int, dict]:
   if step > cfg.steps:  # before the settings' check, which would offer --allow-change steps for these --steps
     raise checkpoint.ResumeMismatchError(
         f"{ckpts.directory} holds step {step}, past --steps {cfg.steps}: there is nothing to train. "
-        f"{_steps_on(step, ckpts.meta(step).get('run', {}).get('steps'))} to train on from it, or sample from it: "
-        f"python -m sample --ckpt-dir {ckpts.directory}")
+        f"{_steps_on(step, ckpts.meta(step).get('run', {}).get('steps'))} to train on from it, or sample from it"
+        f"{_sample_needs(cfg)}: python -m sample --ckpt-dir {ckpts.directory}")
   return step, ckpts.check_resume(step, meta, cfg.allow_change)
+
+
+def _sample_needs(cfg: TrainConfig) -> str:
+  """' (needs ...)' where python -m sample cannot take the tokens of cfg's data here (sample.missing), else ''."""
+  needs = sample.missing(data.tokenizer(data.source(cfg.data)))
+  return f" ({needs})" if needs else ""
 
 
 def _steps_on(step: int, planned) -> str:

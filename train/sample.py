@@ -30,6 +30,18 @@ def for_vocab(vocab_size: int) -> str:
                    f"<= 256 and GPT-2 BPE (tiktoken) for vocab_size >= {GPT2_VOCAB}")
 
 
+def missing(tokenizer: str) -> str | None:
+  """What python -m sample needs to take `tokenizer`'s text that this Python lacks, as messages say it, or None:
+  GPT-2 BPE needs tiktoken, bytes nothing. The trainer prints it beside the sample command it offers."""
+  if tokenizer != GPT2:
+    return None
+  try:
+    import tiktoken  # noqa: F401
+  except ImportError:
+    return "needs tiktoken: pip install tiktoken"
+  return None
+
+
 def _tiktoken():
   try:
     import tiktoken
