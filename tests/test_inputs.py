@@ -98,6 +98,25 @@ def test_precision_is_honoured_or_refused_never_dropped():
     layer(jnp.ones((1, 8, 64)))  # the layer's precision reaches the core
 
 
+def test_a_dot_algorithm_preset_is_a_precision_naive_applies_and_fused_backends_refuse():
+  """precision= takes what jax's PrecisionLike takes, a DotAlgorithmPreset too (Flax's layer runs with one): naive
+  applies it, xla refuses float32 naming it, auto picks naive, and its DEFAULT asks for nothing. Planning read a
+  preset as a jax.lax.Precision and raised "DotAlgorithmPreset.F32_F32_F32 is not a valid Precision", naive too."""
+  preset = jax.lax.DotAlgorithmPreset.F32_F32_F32
+  np.testing.assert_allclose(attnlayers.attention(q, kv, kv, backend="naive", precision=preset),
+                             attnlayers.attention(q, kv, kv, backend="naive"), rtol=1e-6, atol=1e-6)
+  plan = attnlayers.explain("xla", q, kv, kv, precision=preset)
+  assert not plan.ok and "cannot apply precision=F32_F32_F32" in str(plan), str(plan)
+  assert attnlayers.explain("auto", q, kv, kv, precision=preset).chosen == "naive"
+  assert attnlayers.explain("xla", q, kv, kv, precision=jax.lax.DotAlgorithmPreset.DEFAULT).ok
+  half = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
+  assert attnlayers.explain("xla", *half, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32).ok
+  x = jax.random.normal(jax.random.key(2), (1, 8, 64))
+  flax = nnx.MultiHeadAttention(4, 64, decode=False, precision=preset, rngs=nnx.Rngs(0))
+  layer = MultiHeadAttention(4, 64, decode=False, precision=preset, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(layer(x), flax(x), rtol=1e-5, atol=1e-6)  # auto: naive, the layer's preset applied
+
+
 def test_every_backend_has_a_named_minimum_compute_capability():
   from attnlayers import backends
   assert {n: b.min_cc for n, b in backends.REGISTRY.items()} == {

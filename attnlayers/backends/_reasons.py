@@ -38,8 +38,14 @@ def half_precision(call: Call, what: str) -> list[str]:
 
 
 def is_default_precision(precision) -> bool:
+  """Whether a jax PrecisionLike asks for nothing beyond the default: None, DEFAULT (or "default"), a pair of
+  them, or DotAlgorithmPreset.DEFAULT. Any other preset, or a DotAlgorithm, names an algorithm: not default."""
   if precision is None:
     return True
+  if isinstance(precision, jax.lax.DotAlgorithmPreset):
+    return precision == jax.lax.DotAlgorithmPreset.DEFAULT
+  if isinstance(precision, jax.lax.DotAlgorithm):
+    return False
   values = precision if isinstance(precision, tuple) else (precision,)
   return all(p is None or jax.lax.Precision(p) == jax.lax.Precision.DEFAULT for p in values)
 
