@@ -64,8 +64,9 @@ def plan(requested: str, call: Call) -> Plan:
   if requested == backends.AUTO:
     considered = []
     for name in backends.AUTO_ORDER:
-      if not reasons[name]:
-        return Plan(requested, name, {n: reasons[n] for n in considered}, runnable, call)
+      if not reasons[name]:  # with the chosen backend's notes: how it runs the call, as explain(name) says
+        return Plan(requested, name, {n: reasons[n] for n in considered}, runnable, call,
+                    tuple(backends.REGISTRY[name].notes(call)))
       considered.append(name)
     return Plan(requested, None, {n: reasons[n] for n in considered}, runnable, call)
   if reasons[requested]:

@@ -129,6 +129,21 @@ def test_auto_reports_its_choice():
   assert attnlayers.explain("auto", q, kv, kv, return_weights=True).chosen == "naive"
 
 
+def test_auto_says_how_its_choice_runs_the_call(monkeypatch):
+  """explain('auto') carries the chosen backend's notes, as explain(that backend) does: on an H200 (stood in for,
+  nothing runs) a causal bf16 window goes to cudnn's band, and auto's report says so. It gave no notes at all, so
+  the trainer's attention_notes and `python -m attnlayers`' auto row left out how auto's kernel ran."""
+  from attnlayers import device as device_lib
+  monkeypatch.setattr(device_lib, "of", lambda *arrays: device_lib.DeviceInfo("gpu", "NVIDIA H200", (9, 0), 91900))
+  monkeypatch.setattr(device_lib, "has_module", lambda name: False)  # no TransformerEngine: te is not asked
+  x = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+  direct = attnlayers.explain("cudnn", x, x, x, is_causal=True, window=(7, 0))
+  assert direct.ok and any("local_window_size=(7, 0)" in n for n in direct.notes), str(direct)
+  plan = attnlayers.explain("auto", x, x, x, is_causal=True, window=(7, 0))
+  assert plan.chosen == "cudnn" and plan.notes == direct.notes, str(plan)
+  assert "local_window_size=(7, 0)" in str(plan)
+
+
 def test_dropout_needs_rng():
   with pytest.raises(ValueError, match="needs a dropout_rng"):
     attnlayers.attention(q, kv, kv, backend="naive", dropout_rate=0.1)
