@@ -47,6 +47,7 @@ Flax's decode step computes. Decoding past `max_length` is an error (NaN rows un
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax.numpy as jnp
 from flax import nnx
@@ -67,6 +68,9 @@ FLAX_CALL_SOURCE_SHA256 = {
 }
 
 
+FLAX_INIT = inspect.signature(nnx.MultiHeadAttention.__init__)
+
+
 class MultiHeadAttention(nnx.MultiHeadAttention):
   """Drop-in for flax.nnx.MultiHeadAttention; `backend` picks the attention kernel.
 
@@ -84,7 +88,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   def __init__(self, *args, backend: str = backends.AUTO, is_causal: bool = False, attention_fn=None,
                fp8_recipe: fp8.FP8Recipe | None = None, sliding_window: tuple[int, int] | None = None, **kwargs):
     backends.check_name(backend)
-    spec.check_num_kv_heads(kwargs.get("num_kv_heads"))
+    # num_kv_heads as Flax's signature binds it: a keyword, or the fifth positional argument
+    spec.check_num_kv_heads(FLAX_INIT.bind_partial(self, *args, **kwargs).arguments.get("num_kv_heads"))
     if attention_fn is not None and backend != backends.AUTO:
       raise ValueError(f"pass either attention_fn= or backend= ({backend!r}), not both: a custom "
                        "attention_fn replaces the backend's kernel")

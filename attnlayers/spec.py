@@ -148,7 +148,8 @@ def _check_broadcast(name: str, x, target: tuple[int, ...], letters: str) -> tup
 
 def check_num_kv_heads(num_kv_heads) -> None:
   """A layer's num_kv_heads: None (= num_heads) or a positive int (its divisibility is checked with num_heads)."""
-  if num_kv_heads is not None and (not isinstance(num_kv_heads, int) or num_kv_heads <= 0):
+  if num_kv_heads is not None and (not isinstance(num_kv_heads, int) or isinstance(num_kv_heads, bool)
+                                   or num_kv_heads <= 0):  # True is an int to Python, not a head count
     raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None for num_heads); "
                      f"got {num_kv_heads!r}")
 

@@ -202,7 +202,17 @@ def test_te_fp8_refuses_weights_and_dropout_with_either_core(monkeypatch):
   assert any("cannot apply precision" in r for r in unmet(precision=jax.lax.Precision.HIGHEST))
 
 
-@pytest.mark.parametrize("kv_heads", [0, -2])
+@pytest.mark.parametrize("args, kwargs", [((4, 64), dict(num_kv_heads=True)), ((4, 64, None, None, 0), {}),
+                                          ((4, 64, None, None, True), {})],
+                         ids=["True", "positional-0", "positional-True"])
+def test_nnx_kv_heads_must_be_a_positive_int_however_given(args, kwargs):
+  """num_kv_heads=True ran as one kv head (MQA): bool is an int to Python, not a head count. Given as Flax's fifth
+  positional argument it was not checked at all (0 raised ZeroDivisionError inside Flax)."""
+  with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
+    MultiHeadAttention(*args, decode=False, rngs=nnx.Rngs(0), **kwargs)
+
+
+@pytest.mark.parametrize("kv_heads", [0, -2, True])
 def test_linen_kv_heads_must_be_positive(kv_heads):
   import attnlayers.linen as al
   layer = al.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=kv_heads)
