@@ -318,8 +318,9 @@ def describe(q, k, v, opts: Options) -> Call:
                        opts.q_segment_ids, (B, T), "(B, T)")
     _check_segment_ids("kv_segment_ids", opts.kv_segment_ids, (B, S), "(B, S)")
     if opts.max_segments is not None:
-      sides = (("q_segment_ids", opts.q_segment_ids),) + (() if opts.shared_segments else
-                                                          (("kv_segment_ids", opts.kv_segment_ids),))
+      q_name = "segment_ids" if opts.shared_segments else "q_segment_ids"  # named as the caller gave them
+      sides = ((q_name, opts.q_segment_ids),) + (() if opts.shared_segments else
+                                                  (("kv_segment_ids", opts.kv_segment_ids),))
       for name, ids in sides:
         _check_max_segments(name, ids, opts.max_segments)
   # the dtype jax runs: numpy float64 is float32 unless jax_enable_x64 is on

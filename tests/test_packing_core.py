@@ -279,8 +279,11 @@ def test_max_segments_needs_segment_ids_and_bounds_concrete_ids():
   q = jnp.zeros((1, 6, 2, H))
   with pytest.raises(ValueError, match="pass segment_ids"):
     attnlayers.attention(q, q, q, backend="xla", max_segments=2)
-  with pytest.raises(ValueError, match="row 0 holds 3 documents"):
+  with pytest.raises(ValueError, match="^segment_ids: row 0 holds 3 documents"):  # one array: named as given
     attnlayers.attention(q, q, q, backend="xla", segment_ids=jnp.array([[1, 1, 2, 2, 3, 3]]), max_segments=2)
+  ids = jnp.array([[1, 1, 2, 2, 3, 3]])
+  with pytest.raises(ValueError, match="^kv_segment_ids: row 0 holds 3 documents"):
+    attnlayers.attention(q, q, q, backend="xla", segment_ids=(jnp.ones((1, 6), jnp.int32), ids), max_segments=2)
   ids = jnp.array([[1, 1, 2, 2, 3, 3]])
   with pytest.raises(ValueError, match="row 0 holds 3 documents"):  # concrete ids closed over while a jit traces
     jax.jit(lambda q: attnlayers.attention(q, q, q, backend="xla", segment_ids=ids, max_segments=2))(q)
