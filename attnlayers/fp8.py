@@ -61,6 +61,10 @@ class FP8Recipe:
       raise ValueError(f"FP8Recipe.kind must be 'delayed' or 'current'; got {self.kind!r}")
     if self.core not in spec.FP8_CORE_MODES:
       raise ValueError(f"FP8Recipe.core must be one of {', '.join(map(repr, spec.FP8_CORE_MODES))}; got {self.core!r}")
+    n = self.amax_history_len
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+      raise ValueError(f"FP8Recipe.amax_history_len must be an int >= 1, the steps of amax that delayed scaling "
+                       f"keeps; got {n!r}")
     if self.amax_compute_algo not in ("max", "most_recent"):
       raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent' (what TE/JAX supports); got {self.amax_compute_algo!r}")
 

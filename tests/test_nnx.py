@@ -218,6 +218,11 @@ def test_fp8_recipe_is_checked():
     MultiHeadAttention(4, D, backend="xla", fp8_recipe=FP8Recipe(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="'delayed' or 'current'"):
     FP8Recipe(kind="mxfp8")
+  # 0 built a te-fp8 layer with a (3, 0) core history, refused only when a GPU call read it; -3 and 2.5 raised jax's
+  # shape errors from inside the layer's constructor
+  for bad in (0, -3, 2.5, True):
+    with pytest.raises(ValueError, match=f"amax_history_len must be an int >= 1.*got {bad!r}"):
+      FP8Recipe(amax_history_len=bad)
 
 
 def test_flax_call_is_one_the_layer_was_checked_against():
