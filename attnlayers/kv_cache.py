@@ -8,6 +8,13 @@ in one attention call, to the row's cache up to and including themselves (bottom
 causal, see attnlayers.spec). Writing past the cache is an error where the positions are
 known (eager calls) and gives NaN rows under jit (attnlayers.attention makes rows whose
 key length exceeds the cache NaN); it never returns another position's values.
+
+A cache that Flax's own layer made (its linen `init`, its nnx `init_cache`) has one scalar
+`cache_index` for the batch. The layers decode on it as it is: every row sits at that
+position, every call advances all rows by its T, and the index stays a scalar of its dtype,
+so the cache keeps its type from call to call (a `lax.scan` / `nn.scan` / `nnx.scan` carry
+must). `lengths=` is refused there: rows of different lengths need one position each, which
+the scalar cannot hold; a cache made by attnlayers' layers has them.
 """
 
 from __future__ import annotations
@@ -58,10 +65,11 @@ def check_room(index, lengths, max_length: int) -> None:
 def append(cached_key, cached_value, index, key, value, lengths):
   """The cache after this call's tokens, and the attention arguments that read it (nnx and linen share this).
 
-  cached_key / cached_value: (*batch, L, K, H); index: each row's next position, (*batch,) or a
-  scalar shared by the rows; key / value: (*batch, T, K, H), the call's new tokens; lengths:
-  (*batch,) how many of the T are real (None: all). Returns (keys (*batch, L, K, H), values,
-  index (*batch,), attention keyword arguments: bottom-right causal, the rows' query and key lengths).
+  cached_key / cached_value: (*batch, L, K, H); index: each row's next position, (*batch,), or a
+  scalar shared by the rows (Flax's cache); key / value: (*batch, T, K, H), the call's new tokens;
+  lengths: (*batch,) how many of the T are real (None: all; refused with a shared scalar index).
+  Returns (keys (*batch, L, K, H), values, the index advanced, in its own shape and dtype, attention
+  keyword arguments: bottom-right causal, the rows' query and key lengths).
   """
   *batch, max_length, num_kv_heads, head_dim = cached_key.shape
   batch, T = tuple(batch), key.shape[-3]
@@ -69,13 +77,32 @@ def append(cached_key, cached_value, index, key, value, lengths):
     raise ValueError(f"Autoregressive cache shape error: the cache is (*batch, max_length, K, H) = "
                      f"{tuple(cached_key.shape)}, so this call's keys and values must be "
                      f"{(*batch, T, num_kv_heads, head_dim)}; got {tuple(key.shape)} and {tuple(value.shape)}")
+  index = jnp.asarray(index)
+  shared = check_index(index, batch, lengths)
   lengths = check_lengths(lengths, batch, T)  # (*batch,)
-  index = jnp.broadcast_to(index, batch).astype(jnp.int32)  # (*batch,)
-  check_room(index, lengths, max_length)
+  rows = jnp.broadcast_to(index, batch).astype(jnp.int32)  # (*batch,)
+  check_room(rows, lengths, max_length)
   flat = lambda x: x.reshape((-1, *x.shape[len(batch):]))  # (*batch, ...) -> (B, ...)
-  new_k, new_v = (write(flat(c), flat(x), index.reshape(-1)).reshape(c.shape)
+  new_k, new_v = (write(flat(c), flat(x), rows.reshape(-1)).reshape(c.shape)
                   for c, x in ((cached_key, key), (cached_value, value)))
-  return new_k, new_v, index + lengths, cached_attention(lengths, index + lengths)
+  ends = rows + lengths  # (*batch,)
+  advanced = (index + T) if shared else ends  # () or (*batch,), as the index came
+  return new_k, new_v, advanced.astype(index.dtype), cached_attention(lengths, ends)
+
+
+def check_index(index, batch: tuple[int, ...], lengths) -> bool:
+  """Whether `index` is one scalar shared by a batch of rows (Flax's cache); raises for any shape but
+  () and (*batch,), and for lengths= with a shared index, whose rows cannot take different counts."""
+  if index.shape not in ((), batch):
+    raise ValueError(f"cache_index must have shape {batch} (one position per row, as attnlayers' layers make it) "
+                     f"or () (one for the batch, as Flax's do); got shape {tuple(index.shape)}")
+  shared = index.shape == () and batch != ()
+  if shared and lengths is not None:
+    raise ValueError(f"lengths= needs one position per row, but this cache's cache_index is one scalar for its "
+                     f"{batch} rows (the layout of a cache made by Flax's own layer), which every row advances by "
+                     f"the same count. Make the cache with attnlayers' layer (linen: its init with decode=True; nnx: "
+                     f"its init_cache) for a cache_index of shape {batch}, or leave lengths= out")
+  return shared
 
 
 def cached_attention(query_lengths, key_lengths) -> dict:

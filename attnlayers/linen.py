@@ -20,7 +20,10 @@ Decoding (decode=True) on the layer's own backends uses attnlayers' cache, as at
 does (attnlayers.kv_cache): `init` with a (*batch, max_length, features) input shapes it, with
 cache_index (*batch,), one position per row; each call then writes T >= 1 new tokens per row
 (`lengths=` (*batch,): how many are real, right-padded) and attends to the row's cache up to
-them in one attention call. One-token calls compute what Flax's cache computes. With a custom
+them in one attention call. One-token calls compute what Flax's cache computes. A cache made by
+Flax's own layer's `init` decodes too, and keeps its scalar cache_index: every call advances
+all rows by T, so the cache keeps its type as an nn.scan / lax.scan carry; lengths= is refused
+on it (it needs a position per row: init the cache with this layer). With a custom
 attention_fn the cache is Flax's (one token per call, one index for the batch).
 
 The attention itself is the same `BackendAttention` the nnx layer uses, so both give the
@@ -194,7 +197,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     """attnlayers' cache (see attnlayers.kv_cache): writes the call's T tokens at each row's position.
 
     The init pass creates the cache in the shape of its (*batch, max_length) input, as Flax's
-    does, but with cache_index (*batch,), one position per row; it attends over that input.
+    does, but with cache_index (*batch,), one position per row; it attends over that input. A
+    cache from Flax's own init keeps its scalar cache_index (kv_cache.append).
     Returns the whole cache and the attention arguments that read it (bottom-right causal).
     """
     is_initialized = self.has_variable("cache", "cached_key")

@@ -42,6 +42,9 @@ The cache holds num_kv_heads heads, `cache_index` one position per sequence. A c
 its tokens at each row's position and attends, in one attention call, to that row's cache
 up to and including them (bottom-right causal); T == 1 without lengths computes exactly what
 Flax's decode step computes. Decoding past `max_length` is an error (NaN rows under jit).
+A cache from Flax's own init_cache (or its state, nnx.update'd in) keeps its scalar
+cache_index: every call advances all rows by T, so the state keeps its shapes under
+nnx.scan / lax.scan, and lengths= is refused (it needs a position per row: use our init_cache).
 """
 
 from __future__ import annotations
@@ -194,10 +197,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                          "share (*batch, T): T new tokens per row")
       key, value, index, attend = kv_cache.append(
           self.cached_key[...], self.cached_value[...], self.cache_index[...], key, value, lengths)
-      self.cached_key[...], self.cached_value[...] = key, value
-      # set_value, not [...] =: a cache Flax's own init_cache made (or its state, nnx.update'd in) holds one scalar
-      # index for the batch, which kv_cache.append reads as every row's; from here on each row has its own
-      self.cache_index.set_value(index)
+      # the index keeps its shape: (*batch,), or the scalar of a cache Flax's own init_cache made
+      self.cached_key[...], self.cached_value[...], self.cache_index[...] = key, value, index
     dropout_rng = None
     if self.dropout_rate > 0.0:
       deterministic = self.deterministic if deterministic is None else deterministic

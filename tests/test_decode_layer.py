@@ -196,10 +196,11 @@ def test_decoding_past_the_cache_under_jit_gives_nan_rows(backend):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_a_cache_flax_made_decodes_and_takes_one_index_per_row(jit):
+def test_a_cache_flax_made_decodes_and_keeps_its_scalar_index(jit):
   """A cache from Flax's own init_cache (or its state nnx.update'd in) has one scalar cache_index for the batch.
-  kv_cache.append reads it as every row's position; the layer then keeps one per row. It raised a bare
-  broadcast error ("Cannot broadcast to shape with fewer dimensions"), writing (B,) into the scalar in place."""
+  kv_cache.append reads it as every row's position and returns it a scalar, advanced by each call's T. It
+  raised a bare broadcast error ("Cannot broadcast to shape with fewer dimensions"), writing (B,) into the
+  scalar in place; then it kept (B,), so the layer's state changed type after its first call."""
   ours = layer("xla", 2)
   flax = flax_twin(ours, 2)
   x = tokens(2, 6)
@@ -210,7 +211,56 @@ def test_a_cache_flax_made_decodes_and_takes_one_index_per_row(jit):
   step = nnx.jit(lambda m, x: m(x, decode=True)) if jit else (lambda m, x: m(x, decode=True))
   for t in range(3):
     np.testing.assert_array_equal(step(ours, x[:, t:t + 1]), flax(x[:, t:t + 1], decode=True), err_msg=f"step {t}")
-  np.testing.assert_array_equal(ours.cache_index[...], [3, 3])
+  index = ours.cache_index[...]
+  assert (index.shape, index.dtype) == ((), jnp.int32), (index.shape, index.dtype)
+  np.testing.assert_array_equal(index, 3)
+
+
+def scan_steps(m, x):
+  """Decodes x (B, T, D) one token per step inside lax.scan over m's split state: (outputs (B, T, D), state)."""
+  graphdef, state = nnx.split(m)
+  def body(state, xt):  # xt (B, D)
+    m = nnx.merge(graphdef, state)
+    out = m(xt[:, None], decode=True)
+    return nnx.state(m), out[:, 0]
+  state, outs = jax.lax.scan(body, state, x.swapaxes(0, 1))  # outs (T, B, D)
+  return outs.swapaxes(0, 1), state
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["F32", "BF16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_on_a_cache_flax_made_matches_flax_and_keeps_its_scalar_index(backend, dtype):
+  """Our layer holding Flax's init_cache state (cache_index: one int32 scalar) and Flax's layer, each decoding
+  the same tokens in lax.scan over its split state. The scan raised "carry input and carry output must have
+  equal types": the index came back as (B,)."""
+  ours = layer(backend, N, dtype=dtype)
+  flax = nnx.MultiHeadAttention(N, D, decode=False, dtype=dtype, rngs=nnx.Rngs(7))
+  nnx.update(flax, nnx.state(ours, nnx.Param))
+  x = tokens(2, 6).astype(dtype)
+  flax.init_cache(x.shape, dtype=dtype)
+  ours.init_cache(x.shape)
+  nnx.update(ours, nnx.state(flax, nnx.Cache))
+  out_o, state_o = scan_steps(ours, x)
+  out_f, state_f = scan_steps(flax, x)
+  reference.assert_close(out_o.astype(jnp.float32), out_f.astype(jnp.float32), dtype, what=f"{backend} scan")
+  index = state_o["cache_index"][...]
+  assert (index.shape, index.dtype) == ((), jnp.int32), (index.shape, index.dtype)
+  np.testing.assert_array_equal(index, 6)
+  for name in ("cached_key", "cached_value"):
+    np.testing.assert_array_equal(state_o[name][...], state_f[name][...], err_msg=name)
+
+
+def test_lengths_on_a_cache_flax_made_is_refused():
+  """A scalar cache_index cannot hold rows of different lengths; the error says where a per-row cache comes from
+  (before, the call promoted the index to (B,) and so changed the layer's state type)."""
+  ours = layer("xla", N)
+  flax = flax_twin(ours, N)
+  flax.init_cache((2, 8, D))
+  ours.init_cache((2, 8, D))
+  nnx.update(ours, nnx.state(flax, nnx.Cache))
+  with pytest.raises(ValueError, match=r"lengths= needs one position per row.*\(2,\) rows.*nnx: its init_cache"):
+    ours(tokens(2, 3), decode=True, lengths=jnp.array([3, 1], jnp.int32))
+  assert ours.cache_index[...].shape == ()
 
 
 def test_custom_attention_fn_decodes_on_flaxs_cache_as_flax_does():

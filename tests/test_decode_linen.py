@@ -2,7 +2,8 @@
 
 One-token steps against flax.linen's own class (caches bit for bit, outputs to float32 rounding), chunked prefill
 against the full causal forward, a ragged batch against its rows decoded alone, decoding
-past the cache, and the calls that the cache refuses.
+past the cache, the calls that the cache refuses, and a cache Flax's own init made (scalar
+cache_index) decoded in lax.scan.
 """
 
 import jax
@@ -131,3 +132,43 @@ def test_self_attention_takes_lengths_as_the_layer_does():
   got, got_cache = step(selfattn, params, new_cache(selfattn, 2, 8), x, lengths=real)
   np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(got_cache["cache_index"], [4, 2])
+
+
+def scan_steps(m, variables, x):
+  """Decodes x (B, T, D) one token per step inside lax.scan, the cache as the carry: (outputs (B, T, D), cache)."""
+  def body(cache, xt):  # xt (B, D)
+    out, cache = step(m, variables["params"], cache, xt[:, None])
+    return cache, out[:, 0]
+  cache, outs = jax.lax.scan(body, variables["cache"], x.swapaxes(0, 1))  # outs (T, B, D)
+  return outs.swapaxes(0, 1), cache
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["F32", "BF16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_on_a_cache_flax_made_matches_flax_and_keeps_its_scalar_index(backend, dtype):
+  """The parameters and cache of Flax's own layer's init (cache_index: one int32 scalar for the batch), decoded
+  token by token in lax.scan by both layers. The scan raised "carry input and carry output must have equal
+  types": the index came back as (B,), one position per row."""
+  flax = nn.MultiHeadDotProductAttention(num_heads=N, decode=True, dtype=dtype)
+  ours = al.MultiHeadDotProductAttention(num_heads=N, decode=True, dtype=dtype, backend=backend)
+  x = tokens(2, 6).astype(dtype)
+  variables = flax.init(jax.random.key(0), x)
+  assert variables["cache"]["cache_index"].shape == ()
+  out_o, cache_o = scan_steps(ours, variables, x)
+  out_f, cache_f = scan_steps(flax, variables, x)
+  reference.assert_close(out_o.astype(jnp.float32), out_f.astype(jnp.float32), dtype, what=f"{backend} scan")
+  index = cache_o["cache_index"]
+  assert (index.shape, index.dtype) == ((), jnp.int32), (index.shape, index.dtype)
+  np.testing.assert_array_equal(index, 6)
+  for name in ("cached_key", "cached_value"):
+    np.testing.assert_array_equal(cache_o[name], cache_f[name], err_msg=name)
+
+
+def test_lengths_on_a_cache_flax_made_is_refused():
+  """A scalar cache_index cannot hold rows of different lengths; the error says where a per-row cache comes from
+  (before, the call promoted the index to (B,) and so changed the cache's type)."""
+  flax = nn.MultiHeadDotProductAttention(num_heads=N, decode=True)
+  ours = layer("xla", N, decode=True)
+  variables = flax.init(jax.random.key(0), tokens(2, 8))
+  with pytest.raises(ValueError, match=r"lengths= needs one position per row.*\(2,\) rows.*attnlayers' layer"):
+    step(ours, variables["params"], variables["cache"], tokens(2, 3), lengths=jnp.array([3, 1], jnp.int32))

@@ -1,6 +1,7 @@
-"""attnlayers.kv_cache's overflow error: every row that would pass the cache's end, as plain ints, with its
-position and what it adds, and the cache length that would hold them."""
+"""attnlayers.kv_cache: the shapes of cache_index it takes, and its overflow error: every row that would pass
+the cache's end, as plain ints, with its position and what it adds, and the cache length that would hold them."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -35,3 +36,10 @@ def test_a_long_list_of_rows_is_cut_and_counted():
 
 def test_rows_that_fit_raise_nothing():
   kv_cache.check_room(np.array([4, 2]), np.array([2, 4]), 6)
+
+
+def test_an_index_neither_scalar_nor_one_per_row_is_refused():
+  """cache_index is () (Flax's cache) or (*batch,) (ours); a (1,) index broadcast over a batch of 2 before."""
+  cache, new = jnp.zeros((2, 6, 1, 8)), jnp.zeros((2, 1, 1, 8))
+  with pytest.raises(ValueError, match=r"cache_index must have shape \(2,\) .* or \(\) .*got shape \(1,\)"):
+    kv_cache.append(cache, cache, jnp.zeros((1,), jnp.int32), new, new, None)
