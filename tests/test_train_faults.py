@@ -6,6 +6,7 @@ need processes of their own, which share compiled programs through a persistent
 compilation cache so that each pays only python's start and jax's import.
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -411,6 +412,79 @@ def test_a_second_signal_outside_a_save_stops_at_once_and_one_during_a_save_is_h
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on the second signal
   finally:
     signal.signal(signal.SIGINT, previous)
+
+
+def _signal_while_loading(monkeypatch, signum) -> dict:
+  """data.load sends `signum` to this process, then takes 3 s more (a large --data); the dict says whether it
+  got to its end. Building the model fails the test: a signal before the first step stops the run before it."""
+  state = {"finished": False}
+  real = data.load
+  def load(*args, **kwargs):
+    signal.raise_signal(signum)
+    time.sleep(3)
+    state["finished"] = True
+    return real(*args, **kwargs)
+  monkeypatch.setattr(data, "load", load)
+  monkeypatch.setattr(loop, "build", lambda *a, **k: pytest.fail("built the model after the signal"))
+  return state
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("folder", [[], ["--ckpt-dir", "new/c"]], ids=["runs-folder", "new-ckpt-dir"])
+def test_a_signal_while_the_data_loads_stops_there_and_removes_what_the_run_made(tmp_path, monkeypatch, capsys,
+                                                                                signum, folder):
+  """SIGINT/SIGTERM while the data loads, before any step: the loading stops there (it only reads), nothing is
+  built or compiled, the run folder, its lock file and the metrics file this run made are removed again, as for a
+  refused run (a run that never trained leaves no folder to resume from, and no runs/latest), and it exits
+  128 + signum saying so."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "a.txt").write_text("x = 1\n" * 300)
+  loading = _signal_while_loading(monkeypatch, signum)
+  with pytest.raises(SystemExit) as e:
+    cli.main([*TINY, "--steps", "2", "--data", "a.txt", "--metrics", "m.jsonl", *folder])
+  err = capsys.readouterr().err
+  name = signal.Signals(signum).name
+  assert e.value.code == 128 + signum and not loading["finished"], err
+  assert (f"stopped by {name} while the data loaded (the loading stopped there), before any step: nothing was "
+          "built or compiled, nothing to save\nremoved what this run had made and not used: m.jsonl, ") in err, err
+  made = tmp_path / ("new" if folder else "runs")
+  assert f", {made}\n" in err and lock.LOCK_NAME in err, err
+  assert sorted(os.listdir(tmp_path)) == ["a.txt"]  # no runs/ (nor runs/latest), no new/, no m.jsonl
+
+
+def test_a_signal_while_the_data_loads_leaves_a_resumable_folder_and_its_metrics_as_they_were(ckpt, tmp_path,
+                                                                                             monkeypatch):
+  """The same signal with --ckpt-dir holding checkpoints and a metrics file already there: both stay exactly as
+  they were (no record is written: the run never began), and the stop names no step."""
+  (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+  before = sorted(os.listdir(ckpt)), open(ckpt / lock.LOCK_NAME).read()
+  loading = _signal_while_loading(monkeypatch, signal.SIGTERM)
+  with pytest.raises(signals.Stopped, match="stopped by SIGTERM while the data loaded") as e:
+    loop.run(tiny(ckpt, metrics=str(tmp_path / "m.jsonl")))
+  assert (e.value.exit_code, e.value.step, e.value.removed, loading["finished"]) == (143, None, [], False)
+  assert (sorted(os.listdir(ckpt)), open(ckpt / lock.LOCK_NAME).read()) == before
+  assert all(stepdirs.problem(str(ckpt / s)) is None for s in ("10", "20"))
+  assert (tmp_path / "m.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+def test_a_signal_while_the_model_is_built_stops_before_compiling_and_removes_the_runs_folder(tmp_path, monkeypatch,
+                                                                                             capsys):
+  """SIGINT after the data loaded, while the model is built: the run stops before the step compiles (the step is
+  never called), says nothing was trained, and removes the run folder it made (it holds nothing)."""
+  monkeypatch.chdir(tmp_path)
+  real = loop.build
+  def build(*args, **kwargs):
+    signal.raise_signal(signal.SIGINT)
+    model, state = real(*args, **kwargs)
+    return dataclasses.replace(model, train_step=lambda *a: pytest.fail("compiled the step after the signal")), state
+  monkeypatch.setattr(loop, "build", build)
+  with pytest.raises(SystemExit) as e:
+    cli.main([*TINY, "--steps", "2"])
+  err = capsys.readouterr().err
+  assert e.value.code == 130, err
+  assert "stopped by SIGINT after step 0: nothing was trained, nothing to save\nremoved what this run had made " \
+         f"and not used: {tmp_path / 'runs'}/train-" in err, err
+  assert os.listdir(tmp_path) == []
 
 
 def losses_or_none(path) -> dict[int, float]:

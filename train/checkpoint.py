@@ -207,13 +207,14 @@ class Checkpoints:
       raise ResumeMismatchError(f"cannot resume from {self.directory} (step {step}): its arrays do not fit this "
                                 f"model: {diffs[0]}{more}")
 
-  def discard_if_unused(self) -> None:
-    """Where this process holds the lock and this run saved nothing (it failed before saving, e.g. refused), removes
-    what opening the folder made: the lock file, if it created it, then the folders it made (the folder and those
-    above it), where empty. A folder that existed, what is in it, and another trainer's folder or lock, stay."""
+  def discard_if_unused(self) -> list[str]:
+    """Where this process holds the lock and this run saved nothing (it failed before saving, e.g. refused, or was
+    stopped before its first step), removes what opening the folder made: the lock file, if it created it, then
+    the folders it made (the folder and those above it), where empty. A folder that existed, what is in it, and
+    another trainer's folder or lock, stay. Returns what it removed."""
     if jax.process_index() == 0 and self.lock.fd is not None and not self.saved:
-      self.lock.remove_made()
-      undo.remove_empty(self.made)
+      return self.lock.remove_made() + undo.remove_empty(self.made)
+    return []
 
   def close(self) -> None:
     self.checkpointer.close()

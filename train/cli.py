@@ -2,7 +2,8 @@
 
 Every flag is checked before anything is built or compiled: a bad value exits with code 2
 and one line saying which flag and why. SIGINT and SIGTERM save the step in progress and
-exit with 128 + the signal's number.
+exit with 128 + the signal's number; one before the first step stops the run before anything is
+built or compiled (loading the data is cut short) and removes the folders and files it made.
 
 Without --ckpt-dir a run keeps its model in a folder of its own, runs/train-YYYYmmdd-HHMMSS
 (never an existing one, so a second run never resumes the first by accident; resuming takes
@@ -152,13 +153,14 @@ def agreed_run_dir() -> tuple[str, list[str]]:
   return hosts.on_process_0(make, errors=(RunDirError,), default=RunDirError), made
 
 
-def _discard_if_unused(path: str, above: list[str]) -> None:
-  """Removes a run folder fresh_run_dir made for this run where it is empty (the run failed before saving; its
-  checkpoints removed the lock file they made, while they held the lock), then the folders above it that
-  agreed_run_dir made (`above`), where empty. A lock file still there stays: the lock is released by now, so it
-  may be another trainer's."""
+def _discard_if_unused(path: str, above: list[str]) -> list[str]:
+  """Removes a run folder fresh_run_dir made for this run where it is empty (the run failed or was stopped before
+  saving; its checkpoints removed the lock file they made, while they held the lock), then the folders above it
+  that agreed_run_dir made (`above`), where empty; returns those it removed. A lock file still there stays: the
+  lock is released by now, so it may be another trainer's."""
   if jax.process_index() == 0:
-    undo.remove_empty(above + [path])  # innermost first
+    return undo.remove_empty(above + [os.path.abspath(path)])  # innermost first
+  return []
 
 
 def write_latest(path: str) -> None:
@@ -315,7 +317,9 @@ def main(argv=None) -> None:
   try:
     summary = loop.run(cfg)
   except signals.Stopped as e:
-    print(str(e), file=sys.stderr, flush=True)
+    if fresh:  # stopped before its first save: the folder fresh_run_dir made holds nothing
+      e.removed += _discard_if_unused(cfg.ckpt_dir, made)
+    print(e.report(), file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:

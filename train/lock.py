@@ -53,11 +53,13 @@ class DirLock:
     os.fsync(fd)
     self.fd = fd
 
-  def remove_made(self) -> None:
+  def remove_made(self) -> list[str]:
     """Removes the lock file where acquire created it and it is still held (a run refused before it saved); the
-    lock itself stays held until release."""
+    lock itself stays held until release. Returns [its path] where it removed it, else []."""
     if self.fd is not None and self.created and undo.is_open_at(self.fd, self.path):
       os.remove(self.path)
+      return [self.path]
+    return []
 
   def release(self) -> None:
     if self.fd is not None:

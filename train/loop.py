@@ -4,7 +4,10 @@
 surface here, before anything compiles), load data, build the model and optimizer, resume
 from the newest intact checkpoint, train, summarise. SIGINT and SIGTERM end the step being
 run, save it and raise signals.Stopped; a second one stops the run at once, unless it comes
-while a checkpoint is written: that save finishes first (train.signals).
+while a checkpoint is written: that save finishes first (train.signals). One that comes before
+the first step stops the run before it: loading the data (which writes nothing) is cut short,
+nothing is built or compiled after it, and what the run made and left empty (its checkpoint
+folder and lock file, its metrics file) is removed, as for a refused run.
 
 Packed runs (TrainConfig.pack) train on rows of whole documents (train.packing); validation
 is the same unpacked held-out windows in both modes (train.data says why). Neither mode pads,
@@ -82,37 +85,41 @@ class Session:
 
 def _open_outputs(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[checkpoint.Checkpoints | None,
                                                                           metrics.MetricsFile]:
-  """Locks the checkpoint folder and opens the metrics file: every path problem, before any work. A run refused
-  after this removes what these made and it left empty (_if_refused)."""
+  """Locks the checkpoint folder and opens the metrics file: every path problem, before any work. A run refused or
+  stopped after this removes what these made and it left empty (_undo_if_raised)."""
   if cfg.profile_dir and os.path.exists(cfg.profile_dir) and not os.path.isdir(cfg.profile_dir):
     raise ValueError(f"--profile-dir {cfg.profile_dir}: is a file; give a folder for the trace")
   if cfg.profile_dir:
     try:  # the trace is written after steps have run: make sure it can be
       made = undo.make_dirs(cfg.profile_dir)
-      _if_refused(stack, lambda: undo.remove_empty(made))
+      _undo_if_raised(stack, lambda: undo.remove_empty(made))
       tempfile.TemporaryFile(dir=cfg.profile_dir, prefix=".attnlayers-probe-").close()
     except OSError as e:
       raise ValueError(f"--profile-dir {cfg.profile_dir}: cannot write there ({e.strerror})") from None
   ckpts = checkpoint.Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None
   if ckpts:
     stack.callback(ckpts.close)
-    _if_refused(stack, ckpts.discard_if_unused)
+    _undo_if_raised(stack, ckpts.discard_if_unused)
     ours = ckpts.listing().ours
     if cfg.profile_dir and ours and cfg.steps - ours[-1] < PROFILE_WINDOW[1]:
       raise ValueError(f"--profile-dir traces steps {PROFILE_WINDOW[0]}-{PROFILE_WINDOW[1]} after the resume "
                        f"from step {ours[-1]}, but --steps is {cfg.steps}")
   out = metrics.MetricsFile(cfg.metrics)
   stack.callback(out.close)
-  _if_refused(stack, out.discard_if_empty)
+  _undo_if_raised(stack, out.discard_if_empty)
   return ckpts, out
 
 
-def _if_refused(stack: contextlib.ExitStack, undo_it) -> None:
-  """Calls `undo_it` as `stack` closes on an exception other than a signal's stop (a run that failed before it
-  trained: whatever it made that holds nothing of the run's is removed); the exception goes on."""
-  def exit_(kind, *_) -> bool:
-    if kind is not None and not issubclass(kind, signals.Stopped):
-      undo_it()
+def _undo_if_raised(stack: contextlib.ExitStack, undo_it) -> None:
+  """Calls `undo_it` as `stack` closes on an exception (a run refused, failed or stopped by a signal: whatever it
+  made that holds nothing of the run's is removed; each undo removes only what is still empty, or unsaved, so a
+  stopped run's checkpoints and records stay); the exception goes on. `undo_it` returns the paths it removed,
+  which a signal's stop names (signals.Stopped.report)."""
+  def exit_(kind, value, _) -> bool:
+    if kind is not None:
+      removed = undo_it()
+      if isinstance(value, signals.Stopped):
+        value.removed += removed
     return False  # never swallows the exception
   stack.push(exit_)
 
@@ -269,7 +276,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
   non-finite loss stops the run one step later, before anything after it is saved."""
   cfg, loss, pending = s.cfg, None, None  # pending: (step, loss) of a log-only report not yet written
   loss_arr = None  # the last dispatched step's loss
-  if _stop_agreed(s):  # arrived while setting up: nothing new to save
+  if _stop_agreed(s.stop):  # arrived while setting up: nothing new to save
     raise _stopped(s, s.start, saved=False)
   bar = tqdm(total=cfg.steps, initial=s.start, disable=not cfg.progress or jax.process_index() != 0, unit="step")
   profiler = _Profiler(cfg.profile_dir, s.start)
@@ -290,7 +297,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
         s.throughput.first_step_done(step)
       log, evaluate = _due(cfg, step, cfg.log_every), _due(cfg, step, cfg.eval_every)
       # read once: a signal during the report waits for the next step; several processes act on it together
-      stopping = _stop_agreed(s) if jax.process_count() == 1 or log or _due(cfg, step, cfg.ckpt_every) else False
+      stopping = _stop_agreed(s.stop) if jax.process_count() == 1 or log or _due(cfg, step, cfg.ckpt_every) else False
       save = s.ckpts is not None and (_due(cfg, step, cfg.ckpt_every) or stopping)
       if evaluate or save or stopping or (log and step == cfg.steps):
         loss = _report(s, step, loss_arr, state, bar, evaluate=evaluate, save=save)
@@ -298,7 +305,7 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
         pending = (step, loss_arr)
       if stopping or s.stop.held is not None:  # held: it came during this step's save, which finished
         raise _stopped(s, step, saved=save)
-    if _stop_agreed(s):  # it came during the last step's report, which saved that step
+    if _stop_agreed(s.stop):  # it came during the last step's report, which saved that step
       raise _stopped(s, cfg.steps, saved=s.ckpts is not None)
   except Exception:
     if pending and pending[1].is_ready():  # the next step failed to start: the finished step's record is kept
@@ -311,14 +318,27 @@ def _train(s: Session, state: dict) -> tuple[dict, float | None]:
   return state, loss
 
 
-def _stop_agreed(s: Session) -> bool:
+def _stop_agreed(stop: signals.StopRequests) -> bool:
   """Whether the run stops here: a signal was received, on any process of a multi-host run (all of them call this
-  at the same steps: the log and checkpoint steps, so a signal to one process stops every process within
-  log_every steps, each saving the same step; train.hosts.any_signal)."""
-  agreed = hosts.any_signal(s.stop.received)
+  at the same points: after loading the data, before the first step, and at the log and checkpoint steps, so a
+  signal to one process stops every process within log_every steps, each saving the same step;
+  train.hosts.any_signal)."""
+  agreed = hosts.any_signal(stop.received)
   if agreed is not None:
-    s.stop.adopt(agreed)
+    stop.adopt(agreed)
   return agreed is not None
+
+
+def _by(stop: signals.StopRequests) -> str:
+  return f"{stop.name}{' (received by another process)' if stop.elsewhere else ''}"
+
+
+def _stopped_before_training(stop: signals.StopRequests, loaded: bool) -> signals.Stopped:
+  """The exception that ends a run stopped by a signal that came before the data was loaded, or while it was
+  (`loaded` False: the loading was cut short there). Nothing was built, compiled or saved, and no record written."""
+  when = "after the data loaded" if loaded else "while the data loaded (the loading stopped there)"
+  return signals.Stopped(stop.ending, None, f"stopped by {_by(stop)} {when}, before any step: nothing was built "
+                         "or compiled, nothing to save")
 
 
 def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
@@ -326,14 +346,14 @@ def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
   if saved:
     where = f"saved step {step} in {s.ckpts.directory}; the same command with --ckpt-dir {s.ckpts.directory} " \
             "resumes from there"
-  elif s.ckpts:
-    where = (f"nothing new to save; the same command with --ckpt-dir {s.ckpts.directory} resumes from "
-             f"{f'step {s.start}' if s.start else 'the start'}")
+  elif s.ckpts and s.start:
+    where = f"nothing new to save; the same command with --ckpt-dir {s.ckpts.directory} resumes from step {s.start}"
+  elif s.ckpts:  # the folder is removed on the way out where this run made it (_undo_if_raised, train.cli)
+    where = "nothing was trained, nothing to save"
   else:
     where = "nothing saved (no --ckpt-dir)"
   s.out.write({"event": "stopped", "step": step, "signal": s.stop.name, "saved": saved})
-  by = f"{s.stop.name}{' (received by another process)' if s.stop.elsewhere else ''}"
-  return signals.Stopped(s.stop.ending, step, f"stopped by {by} after step {step}: {where}")
+  return signals.Stopped(s.stop.ending, step, f"stopped by {_by(s.stop)} after step {step}: {where}")
 
 
 def data_mesh(devices) -> jax.sharding.Mesh:
@@ -352,7 +372,11 @@ def run(cfg: TrainConfig) -> dict:
     kernels.resolve(cfg.model.kernels)  # and kernels="pallas" off a CUDA GPU
     report.notices(cfg)
     ckpts, out = _open_outputs(cfg, stack)
-    dataset = _load_data(cfg)
+    # loading only reads: a signal cuts it short (one process: several must each reach the agreement below,
+    # and a refusal of the data that the others meet would leave one cut short waiting there)
+    dataset = stop.interruptible(lambda: _load_data(cfg)) if jax.process_count() == 1 else _load_data(cfg)
+    if _stop_agreed(stop):  # nothing built or compiled yet, nor written: stop before any of it
+      raise _stopped_before_training(stop, loaded=dataset is not None)
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
       cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
       report.check_attention(cfg)

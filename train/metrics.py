@@ -140,14 +140,18 @@ class MetricsFile:
       except OSError as e:
         raise ValueError(f"--metrics {path}: cannot write there ({e.strerror})") from None
 
-  def discard_if_empty(self) -> None:
+  def discard_if_empty(self) -> list[str]:
     """Closes the file, and removes it where this process created it and nothing was written to it (the run was
-    refused before its first record); a file that was there before stays as it was."""
+    refused or stopped before its first record); a file that was there before stays as it was. Returns [its path]
+    where it removed it, else []."""
+    removed = []
     if self.file and not self.file.closed and self.created:
       fd = self.file.fileno()
       if os.fstat(fd).st_size == 0 and undo.is_open_at(fd, self.path):
         os.remove(self.path)
+        removed.append(self.path)
     self.close()
+    return removed
 
   def write(self, record: dict) -> None:
     if self.file:

@@ -11,6 +11,9 @@ finishes and is sealed, then the loop stops and the CLI exits with that signal's
 In a multi-host run the processes agree (train.hosts.any_signal, at each logged or checkpoint
 step): a signal to one process stops every process after the same step, each saving its part of
 that step's checkpoint; the others `adopt` the signal and say it came to another process.
+
+Work that writes nothing (loading the data) need not finish: inside `interruptible` the first signal
+ends it where it is, and the run stops before anything is built or compiled.
 """
 
 from __future__ import annotations
@@ -24,15 +27,27 @@ HANDLED = (signal.SIGINT, signal.SIGTERM)
 
 
 class Stopped(Exception):
-  """The run stopped on a signal after finishing (and, with checkpoints, saving) `step`."""
+  """The run stopped on a signal after finishing (and, with checkpoints, saving) `step`; None: before its first
+  step. `removed`: what the run had made and removed again on the way out, holding nothing (train.undo)."""
 
-  def __init__(self, signum: int, step: int, message: str):
+  def __init__(self, signum: int, step: int | None, message: str):
     self.signum, self.step = signum, step
+    self.removed: list[str] = []
     super().__init__(message)
 
   @property
   def exit_code(self) -> int:
     return 128 + self.signum
+
+  def report(self) -> str:
+    """The message, and a line naming what was removed, if anything."""
+    removed = f"\nremoved what this run had made and not used: {', '.join(self.removed)}" if self.removed else ""
+    return f"{self}{removed}"
+
+
+class Interrupted(BaseException):
+  """Raised by the handler inside StopRequests.interruptible; a BaseException, as KeyboardInterrupt, so that no
+  `except Exception` in the work swallows it."""
 
 
 class StopRequests:
@@ -47,12 +62,15 @@ class StopRequests:
     self.received: int | None = None
     self.held: int | None = None  # the last signal after the first that came while a save was written, if any
     self._saving = False  # inside saving()
+    self._interrupting = False  # inside interruptible(): the first signal raises Interrupted there
     self.elsewhere = False  # received came from another process of a multi-host run (adopt)
     self._previous: dict[int, object] = {}
 
   def _handle(self, signum, frame):
     if self.received is None:
       self.received = signum
+      if self._interrupting:
+        raise Interrupted
     elif self._saving:  # a later signal during a save: it would lose the save, so the save finishes first
       self.held = signum
       # os.write, not print: the handler may run inside a print to stderr, which would then raise; and nothing
@@ -73,6 +91,21 @@ class StopRequests:
       yield
     finally:
       self._saving = False
+
+  def interruptible(self, work):
+    """work(), or None where a signal arrived before or during it: the first signal raises in it, wherever it is
+    (between Python bytecodes: a C call in progress, e.g. one file's read, finishes first). Only for work that
+    writes nothing, which may then stop anywhere. A second signal gets its usual handling, as outside."""
+    try:
+      self._interrupting = True
+      try:
+        if self.received is not None:
+          return None
+        return work()
+      finally:
+        self._interrupting = False
+    except Interrupted:  # here, not inside: it may come as late as the line that clears _interrupting
+      return None
 
   def _restore(self) -> None:
     for signum, handler in self._previous.items():

@@ -1,10 +1,11 @@
 """What a run made on disk before it was refused, so that it can remove exactly that again.
 
 A run refused before it trains (data its vocabulary cannot hold, another run's checkpoint, a backend
-that cannot run) leaves the disk as it found it: the folders it made on the way to --ckpt-dir, runs/
-or --profile-dir go, and so do the files it created and left empty (the metrics file, the lock).
-Only what this process made is removed, and only while it is empty: os.rmdir refuses a folder with
-anything in it, so one that someone else filled in the meantime stays, with the folders above it.
+that cannot run), or stopped by a signal before its first step, leaves the disk as it found it: the
+folders it made on the way to --ckpt-dir, runs/ or --profile-dir go, and so do the files it created
+and left empty (the metrics file, the lock). Only what this process made is removed, and only while
+it is empty: os.rmdir refuses a folder with anything in it, so one that someone else filled in the
+meantime stays, with the folders above it.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ def make_dirs(path: str) -> list[str]:
   return made
 
 
-def remove_empty(folders: list[str]) -> None:
+def remove_empty(folders: list[str]) -> list[str]:
   """Removes `folders` (as make_dirs returns them), innermost first, while they are empty: the first that is not
-  stays, and so do the folders above it."""
+  stays, and so do the folders above it. Returns those it removed."""
+  removed = []
   for folder in reversed(folders):
     try:
       os.rmdir(folder)
     except OSError:  # not empty (or already gone): it and its parents are not ours to remove
-      return
+      break
+    removed.append(folder)
+  return removed
 
 
 def is_open_at(fd: int, path: str) -> bool:
