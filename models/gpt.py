@@ -194,9 +194,13 @@ class GPT(nnx.Module):
     if getattr(attn, "cache_index", None) is None:
       raise ValueError("decode=True needs a KV cache: call model.init_cache(batch, max_length) first")
     start = attn.cache_index[...]  # (B,)
+    if start.ndim != 1:  # a scalar: one position for the whole batch, the layout Flax's own attention layers make
+      what = "a scalar, one position for every row (as Flax's own attention layer keeps it)" if start.ndim == 0 \
+          else f"of shape {tuple(start.shape)}"
+      raise ValueError(f"the KV cache's cache_index is {what}; the model needs one position per row, shape (B,) = "
+                       f"({B},): make the cache with model.init_cache(batch, max_length)")
     if start.shape != (B,):
-      raise ValueError(f"the cache holds {start.shape[0] if start.ndim else 'no'} rows (init_cache(batch=...)), "
-                       f"tokens have {B}")
+      raise ValueError(f"the cache holds {start.shape[0]} rows (init_cache(batch=...)), tokens have {B}")
     t = jnp.arange(T)[None]  # (1, T)
     real = jnp.full((B,), T) if lengths is None else jnp.asarray(lengths)
     if not any(isinstance(a, jax.core.Tracer) for a in (start, real)):  # known: check (under jit the rows go NaN)

@@ -378,6 +378,27 @@ def test_decode_calls_of_the_model_check_their_input():
     m.init_cache(1, 97)
 
 
+def test_a_cache_with_one_index_for_the_batch_is_refused_saying_so():
+  """A KV cache as Flax's own attention layer makes it (a scalar cache_index, here copied in from
+  nnx.MultiHeadAttention.init_cache) is refused, saying the index is a scalar and how to make a cache with one
+  position per row; the message was "the cache holds no rows (init_cache(batch=...))". A cache of another batch
+  still names both counts."""
+  m = model(config(n_layer=1))
+  m.init_cache(2, 16)
+  flax_layer = nnx.MultiHeadAttention(m.cfg.n_head, m.cfg.d_model, decode=True, rngs=nnx.Rngs(0))
+  flax_layer.init_cache((2, 16, m.cfg.d_model))
+  nnx.update(m.blocks[0].attn, nnx.state(flax_layer, nnx.Cache))
+  assert m.blocks[0].attn.cache_index[...].shape == ()
+  with pytest.raises(ValueError, match=re.escape(
+      "the KV cache's cache_index is a scalar, one position for every row (as Flax's own attention layer keeps it); "
+      "the model needs one position per row, shape (B,) = (2,): make the cache with "
+      "model.init_cache(batch, max_length)")):
+    m(jnp.zeros((2, 1), jnp.int32), decode=True)
+  m.init_cache(3, 16)
+  with pytest.raises(ValueError, match=re.escape("the cache holds 3 rows (init_cache(batch=...)), tokens have 2")):
+    m(jnp.zeros((2, 1), jnp.int32), decode=True)
+
+
 @pytest.fixture
 def calls(monkeypatch) -> list:
   """The description (attnlayers.spec.Call) of every attention call planned from now on: the model's real calls
