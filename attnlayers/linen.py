@@ -24,7 +24,9 @@ them in one attention call. One-token calls compute what Flax's cache computes. 
 Flax's own layer's `init` decodes too, and keeps its scalar cache_index: every call advances
 all rows by T, so the cache keeps its type as an nn.scan / lax.scan carry; lengths= is refused
 on it (it needs a position per row: init the cache with this layer). With a custom
-attention_fn the cache is Flax's (one token per call, one index for the batch).
+attention_fn the layer decodes as Flax's does, one token per call, and its init makes Flax's
+cache (one index for the batch); on a cache of the layer's own it writes each row at the row's
+position and masks each row to its own tokens (all rows at one position: Flax's numbers).
 
 The attention itself is the same `BackendAttention` the nnx layer uses, so both give the
 same numbers for the same parameters; its docstring says how `force_fp32_for_softmax` and
@@ -217,7 +219,9 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     return cached_key.value, cached_value.value, attend
 
   def _update_cache(self, key, value, mask):
-    """Writes this step's k/v into the cache; returns the whole cache and its position mask."""
+    """Writes this step's k/v into the cache; returns the whole cache and its position mask. On the layer's own
+    cache (cache_index (*batch,)) each row's token goes to its row's position (kv_cache.append), and the mask,
+    (*batch, 1, 1, max_length), lets each row see its own positions up to the new one."""
     is_initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -229,6 +233,11 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     if key.shape != expected:  # ours: Flax compares the query's shape, which has num_heads heads
       raise ValueError(f"Autoregressive cache shape error, expected key shape {expected} instead got {key.shape}.")
     index = cache_index.value
+    if index.ndim:  # ours: the layer's own cache (its init without attention_fn), (*batch,): a position per row
+      cached_key.value, cached_value.value, cache_index.value, _ = kv_cache.append(
+          cached_key.value, cached_value.value, index, key, value, None)  # ours
+      seen = (jnp.arange(max_length) < cache_index.value[..., None])[..., None, None, :]  # ours: (*batch, 1, 1, L)
+      return cached_key.value, cached_value.value, seen if mask is None else nn.combine_masks(mask, seen)  # ours
     zero = jnp.array(0, dtype=lax.dtype(index.dtype))
     at = (zero,) * len(batch_dims) + (index, zero, zero)
     cached_key.value = lax.dynamic_update_slice(cached_key.value, key, at)

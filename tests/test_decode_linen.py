@@ -172,3 +172,53 @@ def test_lengths_on_a_cache_flax_made_is_refused():
   variables = flax.init(jax.random.key(0), tokens(2, 8))
   with pytest.raises(ValueError, match=r"lengths= needs one position per row.*\(2,\) rows.*attnlayers' layer"):
     step(ours, variables["params"], variables["cache"], tokens(2, 3), lengths=jnp.array([3, 1], jnp.int32))
+
+
+def test_custom_attention_fn_decodes_on_the_layers_own_cache_as_flax_does():
+  """A cache the layer's own init made (cache_index (B,)) decoded one token per call by the layer with a custom
+  attention_fn: outputs and caches equal Flax's class with that attention_fn on its own cache, bit for bit, also
+  inside lax.scan, and the index stays (B,) int32. It raised "start_indices arguments to dynamic_update_slice must
+  be scalars" (Flax's cache update took the per-row index). Past the cache's end it is refused, where Flax's
+  clamped index silently overwrites the last position."""
+  params = params_of(N)
+  flax = nn.MultiHeadDotProductAttention(num_heads=N, decode=True, attention_fn=nn.dot_product_attention)
+  custom = al.MultiHeadDotProductAttention(num_heads=N, decode=True, attention_fn=nn.dot_product_attention)
+  x = tokens(2, 6)
+  cache_o, cache_f = new_cache(layer("xla", N, decode=True), 2, 6), new_cache(flax, 2, 6)
+  assert cache_o["cache_index"].shape == (2,) and cache_f["cache_index"].shape == ()
+  out_o, scanned_o = scan_steps(custom, {"params": params, "cache": cache_o}, x)
+  out_f, scanned_f = scan_steps(flax, {"params": params, "cache": cache_f}, x)
+  np.testing.assert_array_equal(out_o, out_f)
+  for name in ("cached_key", "cached_value"):
+    np.testing.assert_array_equal(scanned_o[name], scanned_f[name], err_msg=name)
+  index = scanned_o["cache_index"]
+  assert (index.shape, index.dtype, index.tolist()) == ((2,), jnp.int32, [6, 6])
+  for t in range(2):  # eagerly too
+    out_o, cache_o = step(custom, params, cache_o, x[:, t:t + 1])
+    out_f, cache_f = step(flax, params, cache_f, x[:, t:t + 1])
+    np.testing.assert_array_equal(out_o, out_f)
+  with pytest.raises(ValueError, match=r"decoding past the KV cache: row 0 at position 6 adds 1 token"):
+    step(custom, params, scanned_o, x[:, :1])
+
+
+def test_custom_attention_fn_decodes_each_row_at_its_own_position():
+  """Rows prefilled to different lengths (lengths=, the layer's own backend), then decoded by the custom
+  attention_fn: each row attends only its own cached tokens, as Flax's class decoding that row alone."""
+  params = params_of(N)
+  flax = nn.MultiHeadDotProductAttention(num_heads=N, decode=True, attention_fn=nn.dot_product_attention)
+  custom = al.MultiHeadDotProductAttention(num_heads=N, decode=True, attention_fn=nn.dot_product_attention)
+  ours = layer("xla", N, decode=True)
+  prompt, nxt, real = tokens(2, 4), tokens(2, 2, seed=2), [4, 2]
+  _, cache = step(ours, params, new_cache(ours, 2, 8), prompt, lengths=jnp.array(real, jnp.int32))
+  got = []
+  for t in range(2):
+    out, cache = step(custom, params, cache, nxt[:, t:t + 1])
+    got.append(out)
+  assert cache["cache_index"].tolist() == [6, 4]
+  for b in range(2):
+    alone = new_cache(flax, 1, 8)
+    for t in range(real[b]):
+      _, alone = step(flax, params, alone, prompt[b:b + 1, t:t + 1])
+    for t in range(2):
+      want, alone = step(flax, params, alone, nxt[b:b + 1, t:t + 1])
+      reference.assert_close(got[t][b:b + 1], want, jnp.float32, what=f"row {b} step {t}")
