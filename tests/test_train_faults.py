@@ -573,6 +573,21 @@ BAD_FLAGS = {
                                "--data '{d}/*.bin'"),
     "unrecognized-argument": (lambda d: ["--data", str(d / "a.bin"), str(d / "notes.txt")],  # not all .bin: argparse's
                               f"unrecognized arguments: {{d}}/notes.txt"),
+    "shard-pattern-unquoted-equals": (lambda d: [f"--data={d}/s_0.bin", str(d / "s_1.bin")],
+                                      "--data {d}/s_0.bin is followed by 1 more .bin file(s) ({d}/s_1.bin): the shell "
+                                      "expanded an unquoted pattern"),
+    # the shell's expansion of one pattern comes right after --data, names no pattern, and no option; else argparse's
+    # message (these said the shell had expanded a pattern, and named one that the arguments did not come from)
+    "shard-patterns-quoted": (lambda d: ["--data", str(d / "train" / "*.bin"), str(d / "val" / "*.bin")],
+                              "error: unrecognized arguments: {d}/val/*.bin (see"),
+    "bin-before-data": (lambda d: [str(d / "x.bin"), "--data", str(d / "a.bin")],
+                        "error: unrecognized arguments: {d}/x.bin (see"),
+    "option-ending-in-bin": (lambda d: ["--data", str(d / "a.bin"), "--out.bin"],
+                             "error: unrecognized arguments: --out.bin (see"),
+    "shards-of-two-folders-unquoted": (lambda d: ["--data", str(d / "a" / "s_0.bin"), str(d / "b" / "s_1.bin")],
+                                       "the shell expanded an unquoted pattern into the files it matches, and --data "
+                                       "takes one. Quote the pattern so that it reaches python -m train whole (the "
+                                       "files are in several folders: quote the pattern you typed)"),
     "multihost-partial": (lambda d: ["--num-processes", "2"], "multi-host runs need all of --coordinator-address"),
     "multihost-process-id": (lambda d: ["--coordinator-address", "127.0.0.1:1", "--num-processes", "1",
                                         "--process-id", "3"], "--process-id 3 must be below --num-processes 1"),

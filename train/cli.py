@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -244,15 +245,28 @@ def parse(argv=None) -> argparse.Namespace:
   shell expanded an unquoted pattern ('--data d/*.bin' into '--data d/a.bin d/b.bin ...'), and the error says so
   rather than 'unrecognized arguments'."""
   p = parser()
+  argv = sys.argv[1:] if argv is None else list(argv)
   a, extra = p.parse_known_args(argv)
-  if extra and (a.data or "").endswith(".bin") and all(x.endswith(".bin") for x in extra):
-    pattern = shlex.quote(os.path.join(os.path.dirname(a.data), "*.bin"))
+  if extra and _expanded(a.data, extra, argv):
+    folders = {os.path.dirname(f) for f in [a.data, *extra]}
+    pattern = (f": --data {shlex.quote(os.path.join(folders.pop(), '*.bin'))}" if len(folders) == 1 else
+               " (the files are in several folders: quote the pattern you typed)")
     p.error(f"--data {a.data} is followed by {len(extra)} more .bin file(s) ({' '.join(extra[:3])}"
             f"{' ...' if len(extra) > 3 else ''}): the shell expanded an unquoted pattern into the files it matches, "
-            f"and --data takes one. Quote the pattern so that it reaches python -m train whole: --data {pattern}")
+            f"and --data takes one. Quote the pattern so that it reaches python -m train whole{pattern}")
   if extra:
     p.error(f"unrecognized arguments: {' '.join(extra)}")  # parse_args's own message
   return a
+
+
+def _expanded(given: str | None, extra: list[str], argv: list[str]) -> bool:
+  """Whether `extra`, the arguments argparse left over, are what a shell makes of an unquoted --data 'DIR/*.bin':
+  .bin paths (no pattern left in them, none an option) right after --data's own .bin (`given`) in `argv`."""
+  paths = [given or "", *extra]
+  if not all(x.endswith(".bin") and not x.startswith("-") and not glob.has_magic(x) for x in paths):
+    return False  # e.g. two quoted patterns, a stray option: argparse's message
+  at = [i for i, x in enumerate(argv) if x == given or (x.startswith("-") and x.endswith("=" + given))]  # --data=
+  return any(argv[i + 1:i + 1 + len(extra)] == extra for i in at)  # after it, as the shell puts them
 
 
 def main(argv=None) -> None:
