@@ -12,6 +12,7 @@ import flax
 from flax import nnx
 
 import attnlayers
+from attnlayers import fp8
 from attnlayers.fp8 import OPERANDS as FP8_OPERANDS
 from attnlayers.fp8 import FP8Meta, FP8Recipe, FP8Unavailable
 from attnlayers.flax_attention import BackendAttention
@@ -223,6 +224,8 @@ def test_fp8_recipe_is_checked():
   for bad in (0, -3, 2.5, True):
     with pytest.raises(ValueError, match=f"amax_history_len must be an int >= 1.*got {bad!r}"):
       FP8Recipe(amax_history_len=bad)
+  # numpy's integers are integers, as a shape takes them: they made a recipe before the check, and still do
+  assert fp8.core_history(FP8Recipe(amax_history_len=np.int64(16)))[...].shape == (3, 16)
 
 
 def test_flax_call_is_one_the_layer_was_checked_against():
