@@ -467,6 +467,20 @@ def test_a_signal_while_the_data_loads_leaves_a_resumable_folder_and_its_metrics
   assert (tmp_path / "m.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
 
 
+def test_a_signal_before_the_data_loads_says_so_and_reads_none_of_it(tmp_path, monkeypatch):
+  """A signal while the run sets up (here: as it reports its notices, before it opens its outputs' folders) stops it
+  before the data loads, which then never starts: the stop says before, not "while the data loaded (the loading
+  stopped there)", which it said of a loading that never began."""
+  monkeypatch.setattr(loop.report, "notices", lambda cfg: signal.raise_signal(signal.SIGTERM))
+  monkeypatch.setattr(data, "load", lambda *a, **k: pytest.fail("loaded the data after the signal"))
+  with pytest.raises(signals.Stopped) as e:
+    loop.run(tiny(tmp_path / "new" / "c", metrics=str(tmp_path / "m.jsonl")))
+  assert str(e.value) == ("stopped by SIGTERM before the data loaded (none of it was read), before any step: nothing "
+                          "was built or compiled, nothing to save"), e.value
+  assert (e.value.exit_code, e.value.step) == (143, None)
+  assert os.listdir(tmp_path) == []  # the folders and files it made, removed
+
+
 def test_a_signal_while_the_model_is_built_stops_before_compiling_and_removes_the_runs_folder(tmp_path, monkeypatch,
                                                                                              capsys):
   """SIGINT after the data loaded, while the model is built: the run stops before the step compiles (the step is

@@ -333,10 +333,11 @@ def _by(stop: signals.StopRequests) -> str:
   return f"{stop.name}{' (received by another process)' if stop.elsewhere else ''}"
 
 
-def _stopped_before_training(stop: signals.StopRequests, loaded: bool) -> signals.Stopped:
-  """The exception that ends a run stopped by a signal that came before the data was loaded, or while it was
-  (`loaded` False: the loading was cut short there). Nothing was built, compiled or saved, and no record written."""
-  when = "after the data loaded" if loaded else "while the data loaded (the loading stopped there)"
+def _stopped_before_training(stop: signals.StopRequests, loading: str) -> signals.Stopped:
+  """The exception that ends a run stopped by a signal that came `loading` ("before", "while": it was cut short
+  there, or "after") the data loaded. Nothing was built, compiled or saved, and no record written."""
+  when = {"before": "before the data loaded (none of it was read)", "after": "after the data loaded",
+          "while": "while the data loaded (the loading stopped there)"}[loading]
   return signals.Stopped(stop.ending, None, f"stopped by {_by(stop)} {when}, before any step: nothing was built "
                          "or compiled, nothing to save")
 
@@ -374,9 +375,11 @@ def run(cfg: TrainConfig) -> dict:
     ckpts, out = _open_outputs(cfg, stack)
     # loading only reads: a signal cuts it short (one process: several must each reach the agreement below,
     # and a refusal of the data that the others meet would leave one cut short waiting there)
-    dataset = stop.interruptible(lambda: _load_data(cfg)) if jax.process_count() == 1 else _load_data(cfg)
+    one = jax.process_count() == 1
+    early = one and stop.received is not None  # came while setting up: interruptible then loads nothing
+    dataset = stop.interruptible(lambda: _load_data(cfg)) if one else _load_data(cfg)
     if _stop_agreed(stop):  # nothing built or compiled yet, nor written: stop before any of it
-      raise _stopped_before_training(stop, loaded=dataset is not None)
+      raise _stopped_before_training(stop, "before" if early else "after" if dataset is not None else "while")
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
       cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
       report.check_attention(cfg)
