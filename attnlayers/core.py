@@ -79,7 +79,8 @@ def attention(
     scale: multiplies q k^T; a finite number > 0, static under jit; default 1/sqrt(H).
     dropout_rate, dropout_rng, broadcast_dropout: dropout on the attention weights,
       drawn as Flax draws it (naive only).
-    precision: jax.lax.Precision of the score and value matmuls. naive applies it; cudnn and
+    precision: of the score and value matmuls, as jax's PrecisionLike: a jax.lax.Precision
+      (or a pair), a DotAlgorithmPreset or a DotAlgorithm. naive applies it; cudnn and
       te take it for float16/bfloat16 inputs, whose products they accumulate exactly in
       float32 at any precision; otherwise a backend that cannot apply it refuses the call.
     return_weights: also return the (B, N, T, S) float weights (naive only).

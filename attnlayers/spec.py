@@ -70,7 +70,7 @@ class Options:
   mask: object = None  # boolean, broadcastable to (B, N, T, S); True = may attend
   bias: object = None  # float, broadcastable to (B, N, T, S); added to the scaled scores
   dropout: Dropout | None = None  # on the attention weights (naive only)
-  precision: object = None  # a jax.lax.Precision for the score and value matmuls, or None
+  precision: object = None  # the score and value matmuls' jax PrecisionLike (a Precision, a DotAlgorithmPreset), or None
   return_weights: bool = False  # also return the (B, N, T, S) weights (naive only)
   fp8_core: str = "fp8"  # te-fp8 only: one of FP8_CORE_MODES
   fp8_amax_history: object = None  # te-fp8's FP8 core only: float32 (3, L) amaxes of q, k, v (delayed scaling)
@@ -111,7 +111,7 @@ class Call:
   bias_shape: tuple[int, ...] | None
   dropout: bool  # dropout on the attention weights is requested
   return_weights: bool  # the caller wants the (B, N, T, S) weights back
-  precision: object  # None, or a jax.lax.Precision the caller asked for
+  precision: object  # None, or the jax PrecisionLike the caller asked for (a Precision, DotAlgorithmPreset, ...)
   fp8_core: str  # te-fp8's core mode, one of FP8_CORE_MODES
   device: device_lib.DeviceInfo
   q_lengths: bool = False  # query_seq_lengths given (query padding per row)

@@ -105,6 +105,9 @@ def test_a_dot_algorithm_preset_is_a_precision_naive_applies_and_fused_backends_
   preset = jax.lax.DotAlgorithmPreset.F32_F32_F32
   np.testing.assert_allclose(attnlayers.attention(q, kv, kv, backend="naive", precision=preset),
                              attnlayers.attention(q, kv, kv, backend="naive"), rtol=1e-6, atol=1e-6)
+  # applied: XLA's CPU gives the same numbers with or without it, the lowered matmuls name its algorithm
+  naive = jax.jit(lambda q, kv: attnlayers.attention(q, kv, kv, backend="naive", precision=preset))
+  assert _algorithms(naive.lower(q, kv).as_text()) == (2, 2)  # (B, N, T, S) scores and their values
   plan = attnlayers.explain("xla", q, kv, kv, precision=preset)
   assert not plan.ok and "cannot apply precision=F32_F32_F32" in str(plan), str(plan)
   assert attnlayers.explain("auto", q, kv, kv, precision=preset).chosen == "naive"
@@ -115,6 +118,13 @@ def test_a_dot_algorithm_preset_is_a_precision_naive_applies_and_fused_backends_
   flax = nnx.MultiHeadAttention(4, 64, decode=False, precision=preset, rngs=nnx.Rngs(0))
   layer = MultiHeadAttention(4, 64, decode=False, precision=preset, rngs=nnx.Rngs(0))
   np.testing.assert_allclose(layer(x), flax(x), rtol=1e-5, atol=1e-6)  # auto: naive, the layer's preset applied
+  lowered = nnx.jit(lambda m, x: m(x)).lower(layer, x).as_text()
+  assert _algorithms(lowered) == (6, 6), lowered  # q, k, v, out projections and attention's two matmuls
+
+
+def _algorithms(hlo: str) -> tuple[int, int]:
+  """(matmuls that name a dot algorithm, matmuls) in lowered StableHLO text."""
+  return hlo.count("algorithm = <"), hlo.count("stablehlo.dot_general")
 
 
 def test_every_backend_has_a_named_minimum_compute_capability():
