@@ -2,8 +2,9 @@
 
 Every flag is checked before anything is built or compiled: a bad value exits with code 2
 and one line saying which flag and why. SIGINT and SIGTERM save the step in progress and
-exit with 128 + the signal's number; one before the first step stops the run before anything is
-built or compiled (loading the data is cut short) and removes the folders and files it made.
+exit with 128 + the signal's number; one before the first step stops the run before its step
+compiles (loading the data is cut short; one while it loads or before, before the model is built)
+and removes the folders and files it made and left empty.
 
 Without --ckpt-dir a run keeps its model in a folder of its own, runs/train-YYYYmmdd-HHMMSS
 (never an existing one, so a second run never resumes the first by accident; resuming takes
