@@ -80,9 +80,10 @@ def attention(
     dropout_rate, dropout_rng, broadcast_dropout: dropout on the attention weights,
       drawn as Flax draws it (naive only).
     precision: of the score and value matmuls, as jax's PrecisionLike: a jax.lax.Precision
-      (or a pair), a DotAlgorithmPreset or a DotAlgorithm. naive applies it; cudnn and
-      te take it for float16/bfloat16 inputs, whose products they accumulate exactly in
-      float32 at any precision; otherwise a backend that cannot apply it refuses the call.
+      (or a pair), a DotAlgorithmPreset or a DotAlgorithm. naive applies it; xla, cudnn and
+      te take a Precision level for float16/bfloat16 inputs, whose products they accumulate
+      exactly in float32 at any level, but no dot algorithm (it sets input types and
+      accumulation their kernels do not take); a backend that cannot apply it refuses the call.
     return_weights: also return the (B, N, T, S) float weights (naive only).
     fp8_core: te-fp8 only: "fp8" (the default: cuDNN FP8 attention, or refuse the call with
       the reasons), "fp8-or-bf16" (FP8 where the call qualifies, else TransformerEngine's

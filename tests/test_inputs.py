@@ -112,14 +112,31 @@ def test_a_dot_algorithm_preset_is_a_precision_naive_applies_and_fused_backends_
   assert not plan.ok and "cannot apply precision=F32_F32_F32" in str(plan), str(plan)
   assert attnlayers.explain("auto", q, kv, kv, precision=preset).chosen == "naive"
   assert attnlayers.explain("xla", q, kv, kv, precision=jax.lax.DotAlgorithmPreset.DEFAULT).ok
-  half = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
-  assert attnlayers.explain("xla", *half, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32).ok
   x = jax.random.normal(jax.random.key(2), (1, 8, 64))
   flax = nnx.MultiHeadAttention(4, 64, decode=False, precision=preset, rngs=nnx.Rngs(0))
   layer = MultiHeadAttention(4, 64, decode=False, precision=preset, rngs=nnx.Rngs(0))
   np.testing.assert_allclose(layer(x), flax(x), rtol=1e-5, atol=1e-6)  # auto: naive, the layer's preset applied
   lowered = nnx.jit(lambda m, x: m(x)).lower(layer, x).as_text()
   assert _algorithms(lowered) == (6, 6), lowered  # q, k, v, out projections and attention's two matmuls
+
+
+@pytest.mark.parametrize("algorithm", [jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32,
+                                       jax.lax.DotAlgorithmPreset.F16_F16_F32, jax.lax.DotAlgorithmPreset.BF16_BF16_BF16,
+                                       jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+                                       jax.lax.DotAlgorithm(jnp.float16, jnp.float16, jnp.float32)],
+                         ids=["ANY_F8_ANY_F8_F32", "F16_F16_F32", "BF16_BF16_BF16", "BF16_BF16_F32", "DotAlgorithm"])
+def test_fused_backends_refuse_a_dot_algorithm_on_half_inputs_too(algorithm):
+  """bf16 products accumulate exactly in float32 at any Precision level, so fused backends take one on half inputs;
+  a dot algorithm also sets input types and accumulation (f8 inputs, f16 on bf16, a bf16 sum), which their kernels
+  never apply. xla's plan said ok and its fused op ran without the algorithm."""
+  half = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
+  for backend in ("xla", "cudnn", "te"):
+    plan = attnlayers.explain(backend, *half, precision=algorithm)
+    assert not plan.ok and f"{backend} cannot apply precision={algorithm}: a dot algorithm" in str(plan), str(plan)
+    assert "only 'naive' applies it" in str(plan)
+  plan = attnlayers.explain("auto", *half, precision=algorithm)
+  assert plan.chosen == "naive" and f"xla: xla cannot apply precision={algorithm}" in str(plan), str(plan)
+  assert attnlayers.explain("xla", *half, precision=jax.lax.DotAlgorithmPreset.DEFAULT).ok
 
 
 def _algorithms(hlo: str) -> tuple[int, int]:

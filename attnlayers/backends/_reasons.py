@@ -50,15 +50,28 @@ def is_default_precision(precision) -> bool:
   return all(p is None or jax.lax.Precision(p) == jax.lax.Precision.DEFAULT for p in values)
 
 
+def is_dot_algorithm(precision) -> bool:
+  """Whether a jax PrecisionLike names a dot algorithm (a preset other than DEFAULT, or a DotAlgorithm): it sets
+  the matmuls' input types and accumulation, which a Precision level on fp16/bf16 inputs never changes."""
+  if isinstance(precision, jax.lax.DotAlgorithmPreset):
+    return precision != jax.lax.DotAlgorithmPreset.DEFAULT
+  return isinstance(precision, jax.lax.DotAlgorithm)
+
+
 def fused_only(call: Call, name: str, *, exact_half_products: bool) -> list[str]:
   """A fused kernel never materialises the weights, so it cannot return or drop them out; it applies a
-  matmul precision only where its inputs are fp16/bf16, whose products it accumulates exactly in float32."""
+  matmul Precision level only where its inputs are fp16/bf16, whose products it accumulates exactly in float32.
+  A dot algorithm it never applies: its kernel picks its own input types and accumulation, whatever the inputs."""
   reasons = []
   if call.return_weights:
     reasons.append(f"{name} never materialises the attention weights, so it cannot return or sow them; only 'naive' can")
   if call.dropout:
     reasons.append(f"{name} has no dropout on the attention weights; only 'naive' applies it")
-  if not is_default_precision(call.precision) and not (exact_half_products and call.dtype in HALF):
+  if is_dot_algorithm(call.precision):
+    reasons.append(f"{name} cannot apply precision={call.precision}: a dot algorithm sets the attention matmuls' "
+                   f"input types and accumulation, which {name}'s fused kernel does not take; only 'naive' applies it "
+                   "(or leave precision=None)")
+  elif not is_default_precision(call.precision) and not (exact_half_products and call.dtype in HALF):
     reasons.append(f"{name} cannot apply precision={call.precision} to {call.dtype.name} attention matmuls; "
                    "only 'naive' honours it (or leave precision=None)")
   return reasons
