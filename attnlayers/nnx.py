@@ -147,6 +147,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         if lengths is not None or inputs_q.shape[-2] != 1:
           raise ValueError("with a custom attention_fn the cache decodes one token per call, as Flax's does; "
                            "chunked prefill and lengths= need the layer's own backends")
+        if self.cache_index is not None and self.cache_index.shape != ():  # Flax's dynamic_update_slice: a scalar
+          raise ValueError(f"this cache has one position per row (cache_index shape {self.cache_index.shape}), as "
+                           "the layer's backend path makes it; a custom attention_fn decodes through Flax's "
+                           "__call__, which keeps one index for the batch and cannot use it. Make the cache with "
+                           "this layer's init_cache (with a custom attention_fn it makes Flax's layout), or decode "
+                           "without attention_fn")
         return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=False, decode=True, **kwargs)
       if segment_ids is not None:
         raise ValueError("segment_ids= with a KV cache (decode=True) is not supported: the cache keeps no segment "

@@ -274,3 +274,19 @@ def test_custom_attention_fn_decodes_on_flaxs_cache_as_flax_does():
   assert ours.cache_index.shape == flax.cache_index.shape == ()
   for t in range(x.shape[1]):
     np.testing.assert_array_equal(ours(x[:, t:t + 1]), flax(x[:, t:t + 1]))
+
+
+def test_custom_attention_fn_refuses_a_per_row_cache():
+  """A cache with one position per row (the backend path's init_cache, nnx.update'd in) cannot decode through
+  Flax's __call__, whose one index for the batch it writes with: the error says so and what works, where jax raised
+  "start_indices arguments to dynamic_update_slice must be scalars" from inside Flax's code."""
+  x = jax.random.normal(jax.random.key(1), (2, 6, 32))
+  backend = MultiHeadAttention(4, 32, decode=True, rngs=nnx.Rngs(0))
+  custom = MultiHeadAttention(4, 32, decode=True, attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0))
+  backend.init_cache(x.shape, dtype=jnp.float32)
+  custom.init_cache(x.shape, dtype=jnp.float32)
+  nnx.update(custom, nnx.state(backend, nnx.Cache))
+  with pytest.raises(ValueError, match=r"one position per row \(cache_index shape \(2,\)\).*Flax's __call__.*"
+                                       r"this layer's init_cache.*without attention_fn"):
+    custom(x[:, :1])
+  np.testing.assert_array_equal(custom.cache_index[...], [0, 0])  # refused before Flax's code wrote anything
