@@ -20,7 +20,6 @@ TransformerEngine is imported only inside calls, so this module imports without 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax.numpy as jnp
 from flax import nnx
@@ -63,7 +62,7 @@ class FP8Recipe:
     if self.core not in spec.FP8_CORE_MODES:
       raise ValueError(f"FP8Recipe.core must be one of {', '.join(map(repr, spec.FP8_CORE_MODES))}; got {self.core!r}")
     n = self.amax_history_len
-    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:  # numpy's ints too, as jax's shapes
+    if not spec.is_integer(n) or n < 1:
       raise ValueError(f"FP8Recipe.amax_history_len must be an int >= 1, the steps of amax that delayed scaling "
                        f"keeps; got {n!r}")
     if self.amax_compute_algo not in ("max", "most_recent"):

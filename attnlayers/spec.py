@@ -44,6 +44,13 @@ FP8_CORE_MODES = ("fp8", "fp8-or-bf16", "bf16")
 CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
 
 
+def is_integer(x) -> bool:
+  """x is an int, numpy's included (jax's shapes and numpy's arithmetic give them), and not a bool: True is an
+  int to Python, never a count, size or id here (numpy's bool_ is no numbers.Integral, so it is refused too).
+  Every "an integer, not a bool" check of attnlayers, models and train is this one."""
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 class _LayerDefault:
   """The default of a layer call's sliding_window=: not given, so the layer's own sliding_window applies."""
 
@@ -147,9 +154,9 @@ def _check_broadcast(name: str, x, target: tuple[int, ...], letters: str) -> tup
 
 
 def check_num_kv_heads(num_kv_heads) -> None:
-  """A layer's num_kv_heads: None (= num_heads) or a positive int (its divisibility is checked with num_heads)."""
-  if num_kv_heads is not None and (not isinstance(num_kv_heads, int) or isinstance(num_kv_heads, bool)
-                                   or num_kv_heads <= 0):  # True is an int to Python, not a head count
+  """A layer's num_kv_heads: None (= num_heads) or a positive int, numpy's too (its divisibility is checked with
+  num_heads)."""
+  if num_kv_heads is not None and (not is_integer(num_kv_heads) or num_kv_heads <= 0):
     raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None for num_heads); "
                      f"got {num_kv_heads!r}")
 
@@ -200,7 +207,7 @@ def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None =
   if max_segments is not None:
     if segment_ids is None:
       raise ValueError("max_segments= bounds the documents of segment_ids=; pass segment_ids too (or drop it)")
-    if not isinstance(max_segments, numbers.Integral) or isinstance(max_segments, bool) or max_segments < 1:
+    if not is_integer(max_segments) or max_segments < 1:
       raise ValueError(f"max_segments must be an int >= 1, the most documents any row holds; got {max_segments!r}")
   return Options(scale=scale, is_causal=bool(is_causal), mask=mask, bias=bias, dropout=dropout, precision=precision,
                  return_weights=bool(return_weights), fp8_core=fp8_core, query_seq_lengths=query_seq_lengths,
@@ -228,7 +235,7 @@ def check_window(window) -> tuple[int, int] | None:
   if window is None:
     return None
   ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
-      isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= 0 for w in window)
+      is_integer(w) and w >= 0 for w in window)
   if not ok:
     raise ValueError(f"window must be (left, right), two ints >= 0: a query at position p attends keys in "
                      f"[p - left, p + right] (causal: right = 0; None: no window); got {window!r}")

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import attnlayers
+from attnlayers import spec
 from attnlayers.backends import _fp8_core
 from attnlayers.nnx import MultiHeadAttention
 
@@ -211,7 +212,6 @@ def test_fp8_unavailable_is_a_backend_unavailable_error():
 def test_te_fp8_refuses_weights_and_dropout_with_either_core(monkeypatch):
   """On a device where the FP8 core qualifies, te-fp8 must still refuse what no fused kernel does."""
   from attnlayers import device as device_lib
-  from attnlayers import spec
   from attnlayers.backends import te_fp8
   h200 = device_lib.DeviceInfo("gpu", "NVIDIA H200", (9, 0), 91900)
   monkeypatch.setattr(device_lib, "of", lambda *arrays: h200)
@@ -229,9 +229,9 @@ def test_te_fp8_refuses_weights_and_dropout_with_either_core(monkeypatch):
   assert any("cannot apply precision" in r for r in unmet(precision=jax.lax.Precision.HIGHEST))
 
 
-@pytest.mark.parametrize("args, kwargs", [((4, 64), dict(num_kv_heads=True)), ((4, 64, None, None, 0), {}),
-                                          ((4, 64, None, None, True), {})],
-                         ids=["True", "positional-0", "positional-True"])
+@pytest.mark.parametrize("args, kwargs", [((4, 64), dict(num_kv_heads=True)), ((4, 64), dict(num_kv_heads=np.True_)),
+                                          ((4, 64, None, None, 0), {}), ((4, 64, None, None, True), {})],
+                         ids=["True", "numpy-True", "positional-0", "positional-True"])
 def test_nnx_kv_heads_must_be_a_positive_int_however_given(args, kwargs):
   """num_kv_heads=True ran as one kv head (MQA): bool is an int to Python, not a head count. Given as Flax's fifth
   positional argument it was not checked at all (0 raised ZeroDivisionError inside Flax)."""
@@ -239,9 +239,38 @@ def test_nnx_kv_heads_must_be_a_positive_int_however_given(args, kwargs):
     MultiHeadAttention(*args, decode=False, rngs=nnx.Rngs(0), **kwargs)
 
 
-@pytest.mark.parametrize("kv_heads", [0, -2, True])
+@pytest.mark.parametrize("kv_heads", [0, -2, True, np.True_, 2.0])
 def test_linen_kv_heads_must_be_positive(kv_heads):
   import attnlayers.linen as al
   layer = al.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=kv_heads)
   with pytest.raises(ValueError, match="num_kv_heads must be a positive int"):
     layer.init(jax.random.key(0), jnp.ones((1, 8, 64)))
+
+
+@pytest.mark.parametrize("x, ok", [(4, True), (np.int64(4), True), (np.uint8(4), True), (-1, True), (True, False),
+                                   (np.True_, False), (4.0, False), (np.float32(4), False), ("4", False), (None, False)],
+                         ids=["int", "int64", "uint8", "negative", "True", "numpy-True", "float", "float32", "str", "None"])
+def test_is_integer_takes_numpy_ints_and_refuses_bools(x, ok):
+  """The one "an integer, not a bool" check of attnlayers, models and train (num_kv_heads, window, max_segments,
+  FP8Recipe.amax_history_len, GPTConfig.window, the loss's chunk, generate's seed, top_k and token counts)."""
+  assert spec.is_integer(x) is ok
+
+
+@pytest.mark.parametrize("kv_heads", [np.int64(2), np.int32(2)], ids=["int64", "int32"])
+def test_nnx_kv_heads_takes_a_numpy_int(kv_heads):
+  """num_kv_heads=np.int64(2) was refused as 'not a positive int', though window= and max_segments= took numpy's
+  ints; it now builds the layer an int 2 builds."""
+  x = jax.random.normal(jax.random.key(2), (2, 8, 64))
+  given, plain = (MultiHeadAttention(4, 64, num_kv_heads=k, decode=False, backend="xla", rngs=nnx.Rngs(0))
+                  for k in (kv_heads, 2))
+  assert given.key.kernel.shape == plain.key.kernel.shape == (64, 2, 16)
+  np.testing.assert_array_equal(given(x), plain(x))
+
+
+def test_linen_kv_heads_takes_a_numpy_int():
+  import attnlayers.linen as al
+  x = jax.random.normal(jax.random.key(2), (2, 8, 64))
+  given, plain = (al.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=k, backend="xla") for k in (np.int64(2), 2))
+  params = given.init(jax.random.key(0), x)
+  assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, plain.init(jax.random.key(0), x))
+  np.testing.assert_array_equal(given.apply(params, x), plain.apply(params, x))
