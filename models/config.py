@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from attnlayers.spec import is_integer
 from models.kernels import KERNELS
 
 WINDOW_KINDS = ("local", "global")  # window_pattern's words: the layer uses the sliding window, or sees every token
@@ -49,7 +50,7 @@ class GPTConfig:
 
   def _check_window(self) -> None:
     w, kinds = self.window, self.window_pattern.split(",")
-    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+    if w is not None and (not is_integer(w) or w < 1):
       raise ValueError(f"window must be an int >= 1 (tokens each query sees, itself included) or None for "
                        f"every earlier token; got {w!r}")
     if w is not None and not self.causal:

@@ -25,17 +25,13 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import attnlayers
+from attnlayers.spec import is_integer
 from models import plans
 from models.gpt import GPT
 
 BUCKET = 64  # prompt and cache lengths are rounded up to a multiple of this (capped at seq_len)
 SEEDS = 2**32  # Sampling.seed lies below: without jax_enable_x64 jax.random.key(seed) keeps the low 32 bits
 NO_STOP = -1  # the stop token's runtime value when there is none: no sampled id equals it
-
-
-def _integer(x) -> bool:
-  """x is an int (numpy's too) and not a bool (True is an int to Python, never a count or a token id here)."""
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +42,14 @@ class Sampling:
 
   def __post_init__(self):
     s = self.seed
-    if not _integer(s) or not 0 <= s < SEEDS:
+    if not is_integer(s) or not 0 <= s < SEEDS:
       raise ValueError(f"seed must be an integer in [0, 2**32) ({SEEDS}); got {s!r}: jax.random.key keeps its low "
                        "32 bits here (seed 2**32 + s would draw what seed s draws, and from 2**63 it fails)")
     t = self.temperature
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
       raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {t!r}")
     k = self.top_k
-    if k is not None and (not _integer(k) or k < 1):
+    if k is not None and (not is_integer(k) or k < 1):
       raise ValueError(f"top_k must be an integer >= 1, or None to keep every token; got {self.top_k!r}")
 
   def check(self, vocab_size: int) -> None:
@@ -90,7 +86,7 @@ def bucket(n: int, limit: int) -> int:
 
 def check_new_tokens(max_new_tokens: int) -> None:
   """ValueError unless max_new_tokens is an integer >= 1."""
-  if not _integer(max_new_tokens) or max_new_tokens < 1:
+  if not is_integer(max_new_tokens) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be an integer >= 1 (the new tokens per prompt); got {max_new_tokens!r}")
 
 
@@ -100,7 +96,7 @@ def check_options(vocab_size: int, sampling: Sampling, stop_token: int | None) -
     raise ValueError(f"sampling must be a models.generate.Sampling, e.g. Sampling(temperature=0.8, top_k=40); "
                      f"got {sampling!r}")
   sampling.check(vocab_size)
-  if stop_token is not None and (not _integer(stop_token) or not 0 <= stop_token < vocab_size):
+  if stop_token is not None and (not is_integer(stop_token) or not 0 <= stop_token < vocab_size):
     raise ValueError(f"stop_token must be a token id, an integer in [0, {vocab_size}), or None to stop only at "
                      f"max_new_tokens; got {stop_token!r}")
 

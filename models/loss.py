@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from attnlayers.spec import is_integer
 from models import kernels, softmax_grad, softmax_onepass
 
 # Most tokens per chunk. A chunk's float32 logits take C * V * 4 bytes (4096 * 50304 * 4 = 0.82 GB
@@ -66,7 +67,7 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   if tuple(targets.shape) != h.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):
     raise ValueError(f"targets must be an int array of h's (B, T) = {tuple(h.shape[:2])}; got {targets.dtype} "
                      f"of shape {tuple(targets.shape)}")
-  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+  if not is_integer(chunk) or chunk < 1:
     raise ValueError(f"chunk must be an int >= 1 (tokens per block of logits); got {chunk!r}")
   if not isinstance(targets, jax.core.Tracer) and targets.size:  # known (also closed over by a jit): check
     known = np.asarray(targets)  # on the host: jnp ops here would be traced under a jit

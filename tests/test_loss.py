@@ -198,11 +198,17 @@ def test_kernel_choice_is_said_and_checked(monkeypatch):
   assert picked == "xla" and "2 devices: the Pallas kernels have no sharding rule" in why
 
 
-@pytest.mark.parametrize("chunk", [0, -1, 2.5, True])
+@pytest.mark.parametrize("chunk", [0, -1, 2.5, True, np.True_])
 def test_chunk_must_be_a_positive_int(chunk):
   message = f"chunk must be an int >= 1 (tokens per block of logits); got {chunk!r}"
   with pytest.raises(ValueError, match=re.escape(message)):
     head_cross_entropy(*_inputs(jnp.float32), chunk=chunk)
+
+
+def test_chunk_takes_a_numpy_int():
+  """chunk=np.int64(4) was refused as 'not an int >= 1' (attnlayers.spec.is_integer takes numpy's ints)."""
+  inputs = _inputs(jnp.float32)
+  np.testing.assert_array_equal(head_cross_entropy(*inputs, chunk=np.int64(4)), head_cross_entropy(*inputs, chunk=4))
 
 
 def _tiny(tie: bool):

@@ -147,6 +147,17 @@ def test_window_equals_an_explicit_mask_on_the_layers_it_names(pattern):
   assert not np.allclose(m(tokens), with_explicit_masks(m, tokens, [causal, causal]), atol=1e-4)
 
 
+@pytest.mark.parametrize("window", [True, np.True_, 0, 2.0], ids=["True", "numpy-True", "0", "2.0"])
+def test_window_must_be_a_positive_int(window):
+  with pytest.raises(ValueError, match=f"window must be an int >= 1 .*; got {window!r}"):
+    small(window=window)
+
+
+def test_window_takes_a_numpy_int():
+  """window=np.int64(5) was refused as 'not an int >= 1' (attnlayers.spec.is_integer takes numpy's ints)."""
+  assert small(window=np.int64(5)).layer_window(0) == small(window=5).layer_window(0) == (4, 0)
+
+
 def test_a_window_that_covers_the_context_is_plain_causal_attention():
   cfg = small(window=24)
   assert [cfg.layer_window(i) for i in range(2)] == [None, None]
