@@ -229,6 +229,22 @@ def test_te_fp8_refuses_weights_and_dropout_with_either_core(monkeypatch):
   assert any("cannot apply precision" in r for r in unmet(precision=jax.lax.Precision.HIGHEST))
 
 
+@pytest.mark.parametrize("precision, dtype, which", [
+    (jax.lax.Precision.HIGHEST, jnp.bfloat16, "the FP8 core quantises"),  # the bf16 core would apply it
+    (jax.lax.Precision.HIGHEST, jnp.float32, "to float32 attention matmuls"),
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32, jnp.bfloat16, "a dot algorithm"),
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32, jnp.float32, "a dot algorithm"),
+], ids=["HIGHEST-bf16", "HIGHEST-f32", "preset-bf16", "preset-f32"])
+def test_te_fp8_names_a_precision_refusal_once(precision, dtype, which):
+  """te-fp8 refused a precision that no core of it applies (a dot algorithm; a level on float32), and its FP8 core
+  refused it again, adding 'pass fp8_core='fp8-or-bf16'', whose bf16 core would not apply it either."""
+  x = jnp.zeros((2, 128, 4, 128), dtype)
+  reasons = attnlayers.explain("te-fp8", x, x, x, precision=precision).unmet["te-fp8"]
+  named = [r for r in reasons if f"precision={precision}" in r]
+  assert len(named) == 1 and which in named[0], reasons
+  assert len(set(reasons)) == len(reasons), reasons
+
+
 @pytest.mark.parametrize("args, kwargs", [((4, 64), dict(num_kv_heads=True)), ((4, 64), dict(num_kv_heads=np.True_)),
                                           ((4, 64, None, None, 0), {}), ((4, 64, None, None, True), {})],
                          ids=["True", "numpy-True", "positional-0", "positional-True"])

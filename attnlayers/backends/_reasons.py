@@ -59,22 +59,32 @@ def is_dot_algorithm(precision) -> bool:
 
 
 def fused_only(call: Call, name: str, *, exact_half_products: bool) -> list[str]:
-  """A fused kernel never materialises the weights, so it cannot return or drop them out; it applies a
-  matmul Precision level only where its inputs are fp16/bf16, whose products it accumulates exactly in float32.
-  A dot algorithm it never applies: its kernel picks its own input types and accumulation, whatever the inputs."""
+  """What no fused kernel does: no_weights_or_dropout, then fused_precision."""
+  return no_weights_or_dropout(call, name) + fused_precision(call, name, exact_half_products=exact_half_products)
+
+
+def no_weights_or_dropout(call: Call, name: str) -> list[str]:
+  """A fused kernel never materialises the weights, so it cannot return or drop them out."""
   reasons = []
   if call.return_weights:
     reasons.append(f"{name} never materialises the attention weights, so it cannot return or sow them; only 'naive' can")
   if call.dropout:
     reasons.append(f"{name} has no dropout on the attention weights; only 'naive' applies it")
-  if is_dot_algorithm(call.precision):
-    reasons.append(f"{name} cannot apply precision={call.precision}: a dot algorithm sets the attention matmuls' "
-                   f"input types and accumulation, which {name}'s fused kernel does not take; only 'naive' applies it "
-                   "(or leave precision=None)")
-  elif not is_default_precision(call.precision) and not (exact_half_products and call.dtype in HALF):
-    reasons.append(f"{name} cannot apply precision={call.precision} to {call.dtype.name} attention matmuls; "
-                   "only 'naive' honours it (or leave precision=None)")
   return reasons
+
+
+def fused_precision(call: Call, name: str, *, exact_half_products: bool) -> list[str]:
+  """A fused kernel applies a matmul Precision level only where its inputs are fp16/bf16, whose products it
+  accumulates exactly in float32. A dot algorithm it never applies: its kernel picks its own input types and
+  accumulation, whatever the inputs."""
+  if is_dot_algorithm(call.precision):
+    return [f"{name} cannot apply precision={call.precision}: a dot algorithm sets the attention matmuls' "
+            f"input types and accumulation, which {name}'s fused kernel does not take; only 'naive' applies it "
+            "(or leave precision=None)"]
+  if not is_default_precision(call.precision) and not (exact_half_products and call.dtype in HALF):
+    return [f"{name} cannot apply precision={call.precision} to {call.dtype.name} attention matmuls; "
+            "only 'naive' honours it (or leave precision=None)"]
+  return []
 
 
 def no_segments_or_window(call: Call, name: str, others: str) -> list[str]:

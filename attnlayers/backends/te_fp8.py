@@ -42,8 +42,9 @@ def requirements(dev: device_lib.DeviceInfo, what: str = "te-fp8 (FP8 GEMMs)") -
   return _reasons.nvidia_gpu(dev, MIN_CC, what) + _reasons.transformer_engine("te-fp8")
 
 
-def fp8_core_unmet(call: Call, *, device: bool = True) -> list[str]:
-  """Why cuDNN's FP8 attention cannot take this call's core (device=False: the call's own limits only)."""
+def fp8_core_unmet(call: Call, *, device: bool = True, precision: bool = True) -> list[str]:
+  """Why cuDNN's FP8 attention cannot take this call's core (device=False: the call's own limits only;
+  precision=False: not its precision, which te-fp8 has refused for either core)."""
   reasons = _fp8_core.unmet(call.T, call.S, call.H, call.device.compute_capability, call.device.cudnn_version,
                             device=device)
   if call.mask_shape is not None or call.bias_shape is not None:
@@ -53,7 +54,7 @@ def fp8_core_unmet(call: Call, *, device: bool = True) -> list[str]:
                    "fp8_core='fp8-or-bf16' runs those on TransformerEngine's bf16 kernel")
   reasons += _reasons.no_segments_or_window(call, "cuDNN FP8 attention", others="fp8_core='fp8-or-bf16' runs them "
                                             "on TransformerEngine's bf16 kernel (as backend='te' does)")
-  if not _reasons.is_default_precision(call.precision):
+  if precision and not _reasons.is_default_precision(call.precision):
     reasons.append(f"the FP8 core quantises q, k, v and P to E4M3, so it cannot apply precision={call.precision}")
   return reasons
 
@@ -64,11 +65,11 @@ def _runs_fp8(call: Call) -> bool:
 
 def unmet(call: Call) -> list[str]:
   device = requirements(call.device, NAME)
-  reasons = device + _reasons.half_precision(call, "te-fp8")
-  reasons += _reasons.fused_only(call, NAME, exact_half_products=True)  # no weights or dropout, either core
-  # the FP8 core's reasons belong in the list too; where te-fp8's device requirements fail, its own device reasons
-  # would only repeat them, so then only those about the call itself
-  if call.fp8_core == "fp8" and (why := fp8_core_unmet(call, device=not device)):
+  precision = _reasons.fused_precision(call, NAME, exact_half_products=True)  # either core
+  reasons = device + _reasons.half_precision(call, "te-fp8") + _reasons.no_weights_or_dropout(call, NAME) + precision
+  # the FP8 core's reasons belong in the list too; where te-fp8's device requirements fail, or it refused the
+  # precision for either core, the core's own reasons would only repeat them, so then it leaves those out
+  if call.fp8_core == "fp8" and (why := fp8_core_unmet(call, device=not device, precision=not precision)):
     core = [f"te-fp8's FP8 attention core (fp8_core='fp8') cannot take this call: {r}" for r in why]
     if "fp8-or-bf16" not in core[-1]:  # the segments/window/lengths reasons name it themselves
       core[-1] += "; pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use " \
