@@ -922,6 +922,29 @@ def test_the_run_outputs_are_checked_with_one_walk_of_the_data_folder_the_walk_l
              for output in ("--ckpt-dir corpus/ck", "--metrics corpus/sub/m.jsonl", "--profile-dir corpus/.hidden/p")), e.value
 
 
+def test_a_trainer_start_walks_the_data_folder_once(tmp_path, monkeypatch):
+  """python -m train --data DIR walks DIR once from its flags to the model's build: the check of its outputs
+  (TrainConfig's, again on each of its copies), the check of runs/ and load read that walk (they walked it five
+  times for a fresh, packed run with --metrics)."""
+  monkeypatch.chdir(tmp_path)
+  os.makedirs("corpus/sub")
+  for name in ("a.txt", "sub/b.txt"):
+    (tmp_path / "corpus" / name).write_text("x = 1\n" * 300)
+  walks, real_walk = [], os.walk
+  monkeypatch.setattr(os, "walk", lambda top, **kw: walks.append(top) or real_walk(top, **kw))
+  class Built(Exception):
+    """The start-up is over: the data loaded, the packed model's cfg made."""
+  def build(cfg, *_):
+    raise Built(cfg)
+  monkeypatch.setattr(loop, "build", build)
+  with pytest.raises(Built) as e:
+    cli.main([*TINY, "--steps", "2", "--data", "corpus", "--pack", "--metrics", "m.jsonl"])
+  assert e.value.args[0].model.max_segments is not None  # loop.run's packed cfg, made after the data loaded
+  assert walks.count("corpus") == 1, walks
+  with pytest.raises(ValueError, match=re.escape("a Walk of --data 'other' was given for --data 'corpus'")):
+    data.load("corpus", 16, walk=data.Walk("other"))  # its folders are not corpus's
+
+
 def test_a_window_pattern_longer_than_the_model_resumes_as_the_layers_used_it(tmp_path):
   """A checkpoint an earlier trainer wrote with --window 16 --window-pattern local,global,global for 2 layers
   (GPTConfig now refuses the flags): its layers used 'local,global', so a resume with that pattern continues it,

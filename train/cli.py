@@ -279,6 +279,7 @@ def main(argv=None) -> None:
     if a.window is None and a.window_pattern is not None:  # the model cannot tell --window-pattern local from its default
       raise ValueError(f"window_pattern {a.window_pattern!r} says which layers use the window; give window (tokens per "
                        "window) too")
+    walk = data.Walk(a.data)  # --data's folder, walked where first needed: every check below and load read that walk
     model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
                           n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype, bias=a.bias,
                           fp8_core=a.fp8_core, window=a.window, window_pattern=a.window_pattern,
@@ -290,7 +291,7 @@ def main(argv=None) -> None:
         eval_every=a.eval_every, log_every=a.log_every,
         metrics=a.metrics, sample_tokens=_sample_tokens(a.sample_tokens, model.seq_len), peak_tflops=a.peak_tflops,
         progress=a.progress,
-        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack)
+        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack, walk=walk)
   except ValueError as e:
     print(f"error: {e}{_flags_named(str(e))}", file=sys.stderr)
     sys.exit(2)
@@ -314,7 +315,7 @@ def main(argv=None) -> None:
       print(f"error: {differ}", file=sys.stderr)
       sys.exit(2)
   fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
-  if fresh and data.reads(cfg.data, RUNS):  # as TrainConfig refuses a --ckpt-dir there, before making it
+  if fresh and data.reads(cfg.data, RUNS, walk):  # as TrainConfig refuses a --ckpt-dir there, before making it
     print(f"error: the run folder {RUNS}/ (where a run without --ckpt-dir keeps its checkpoints) lies in what "
           f"--data {cfg.data} reads: this run's checkpoints would become training text on the next start, which "
           f"then could not resume (other data); give --ckpt-dir a folder outside {cfg.data}, or --no-ckpt",
@@ -324,13 +325,13 @@ def main(argv=None) -> None:
   if fresh:
     try:
       run_dir, made = agreed_run_dir()  # process 0 makes it, every process saves there
-      cfg = dataclasses.replace(cfg, ckpt_dir=run_dir)
+      cfg = dataclasses.replace(cfg, ckpt_dir=run_dir, walk=walk)
     except RunDirError as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
   print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   try:
-    summary = loop.run(cfg)
+    summary = loop.run(cfg, walk)
   except signals.Stopped as e:
     if fresh:  # stopped before its first save: the folder fresh_run_dir made holds nothing
       e.removed += _discard_if_unused(cfg.ckpt_dir, made)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import glob
 import hashlib
 import itertools
@@ -229,15 +230,38 @@ def source(spec: str | None) -> str:
       else os.path.realpath(spec)
 
 
-def reads(spec: str | None, path: str) -> bool:
+class Walk:
+  """One walk of folder `spec` (_walk) for read_by and load to share, made where the first of them needs it and
+  kept: a trainer's start-up gives one to its checks of the run's outputs (train.config, train.cli's of runs/) and
+  to load, so they walk --data once between them, where they walked it once each (and TrainConfig once per copy)."""
+
+  def __init__(self, spec: str | None):
+    self.spec = spec  # --data, as read_by and load take it
+
+  @functools.cached_property
+  def found(self) -> list[tuple[str, list[str]]]:
+    return list(_walk(self.spec))
+
+
+def _walked(spec: str, walk: Walk | None) -> list[tuple[str, list[str]]]:
+  """What `walk` found under `spec`, walked where not yet; a walk of its own where None. A Walk of other data is
+  refused: its folders and files are not those of `spec`."""
+  if walk is None:
+    return list(_walk(spec))
+  if walk.spec != spec:
+    raise ValueError(f"a Walk of --data {walk.spec!r} was given for --data {spec!r}; give data.Walk({spec!r}), or none")
+  return walk.found
+
+
+def reads(spec: str | None, path: str, walk: Walk | None = None) -> bool:
   """Whether loading `spec` reads the file `path`, or files under the folder `path` (either may not exist yet):
   what a run must not write to, or its own output becomes its data. read_by(spec) asks it of several paths."""
-  return read_by(spec)(path)
+  return read_by(spec, walk)(path)
 
 
-def read_by(spec: str | None) -> Callable[[str], bool]:
-  """reads(spec, ·), for every path asked with one walk of `spec`'s folder, made now, as load walks it (_walk):
-  train.config checks all of the run's outputs with one."""
+def read_by(spec: str | None, walk: Walk | None = None) -> Callable[[str], bool]:
+  """reads(spec, ·), for every path asked with one walk of `spec`'s folder, as load walks it (_walk): `walk`'s, where
+  given (Walk), else one made now. train.config checks all of the run's outputs with one."""
   if spec is None:  # the standard library's top-level .py files
     stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
     def in_stdlib(path: str) -> bool:
@@ -246,7 +270,7 @@ def read_by(spec: str | None) -> Callable[[str], bool]:
     return in_stdlib
   if spec.endswith(".bin"):  # the files the pattern matches, as glob matches them; a folder's files never end in .bin
     return lambda path: _glob_matches(source(spec), os.path.realpath(path))
-  folders = {os.path.realpath(spec)} | {os.path.realpath(top) for top, _ in _walk(spec)}  # a file: only itself
+  folders = {os.path.realpath(spec)} | {os.path.realpath(top) for top, _ in _walked(spec, walk)}  # a file: only itself
   return lambda path: _reached(os.path.realpath(path), folders)
 
 
@@ -282,9 +306,9 @@ def _walk(folder: str) -> Iterator[tuple[str, list[str]]]:
     yield top, [n for n in names if not n.startswith(".")]
 
 
-def _folder_files(folder: str) -> list[str]:
-  """The files under `folder` (_walk), sorted, each once: a file reached by two paths is read by the first."""
-  found = [os.path.join(top, n) for top, names in _walk(folder) for n in names if os.path.isfile(os.path.join(top, n))]
+def _folder_files(walked: list[tuple[str, list[str]]]) -> list[str]:
+  """The files a walk of a folder found (_walk), sorted, each once: a file reached by two paths is read by the first."""
+  found = [os.path.join(top, n) for top, names in walked for n in names if os.path.isfile(os.path.join(top, n))]
   seen = set()
   return [p for p in sorted(found) if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
@@ -297,10 +321,11 @@ def _run_folders(files: list[str]) -> list[str]:
   return sorted(runs)
 
 
-def _text_files(spec: str) -> list[str]:
-  """The files of folder `spec` (_folder_files), refused where they are not all text: none, python -m train's run
-  folders, or llm.c token shards (read as bytes, they would train on their header and uint16 halves)."""
-  files = _folder_files(spec)
+def _text_files(spec: str, walk: Walk | None) -> list[str]:
+  """The files of folder `spec` (_folder_files of `walk`, or of a walk made now), refused where they are not all text:
+  none, python -m train's run folders, or llm.c token shards (read as bytes, they would train on their header and
+  uint16 halves)."""
+  files = _folder_files(_walked(spec, walk))
   if not files:
     raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
   runs = _run_folders(files)
@@ -339,15 +364,17 @@ def _shards_in_folder(spec: str, shards: list[str], n_files: int) -> str:
           + ("; for the text, a folder without the shards" if others else ""))
 
 
-def load(spec: str | None, seq_len: int, pack: bool = False) -> Dataset:
-  """The data of `spec` (module docstring) for windows of seq_len; pack: also every training document packed."""
+def load(spec: str | None, seq_len: int, pack: bool = False, walk: Walk | None = None) -> Dataset:
+  """The data of `spec` (module docstring) for windows of seq_len; pack: also every training document packed. walk:
+  a folder's files as that Walk of `spec` found them (the one its caller checked the run's outputs with); None:
+  walked now."""
   check_source(spec)
   if spec is None:
     return _split_bytes(DEFAULT_NAME, stdlib_files(), seq_len, pack)
   if spec.endswith(".bin"):
     return _shards(spec, seq_len, pack)
   if os.path.isdir(spec):
-    return _split_bytes(spec, _text_files(spec), seq_len, pack)
+    return _split_bytes(spec, _text_files(spec, walk), seq_len, pack)
   if os.path.isfile(spec):
     if os.path.getsize(spec) == 0:
       raise ValueError(f"--data {spec!r} is empty")

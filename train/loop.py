@@ -124,8 +124,8 @@ def _undo_if_raised(stack: contextlib.ExitStack, undo_it) -> None:
   stack.push(exit_)
 
 
-def _load_data(cfg: TrainConfig) -> data.Dataset:
-  dataset = data.load(cfg.data, cfg.model.seq_len, pack=cfg.pack)
+def _load_data(cfg: TrainConfig, walk: data.Walk) -> data.Dataset:
+  dataset = data.load(cfg.data, cfg.model.seq_len, pack=cfg.pack, walk=walk)
   if dataset.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"data {dataset.name} has token ids up to {dataset.vocab_size - 1}, more than the model's "
                      f"vocab_size {cfg.model.vocab_size}; use --vocab-size {dataset.vocab_size} or larger")
@@ -363,9 +363,12 @@ def data_mesh(devices) -> jax.sharding.Mesh:
   return jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def run(cfg: TrainConfig) -> dict:
-  """Trains; returns the summary. Raises TrainingDiverged on a non-finite loss, signals.Stopped on a signal."""
+def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
+  """Trains; returns the summary. Raises TrainingDiverged on a non-finite loss, signals.Stopped on a signal.
+  walk: the data.Walk of cfg.data that cfg's checks were made with (train.cli), which load then reads too; None: one
+  of its own."""
   t_start = time.perf_counter()
+  walk = data.Walk(cfg.data) if walk is None else walk
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(signals.StopRequests())
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
@@ -377,11 +380,12 @@ def run(cfg: TrainConfig) -> dict:
     # and a refusal of the data that the others meet would leave one cut short waiting there)
     one = jax.process_count() == 1
     early = one and stop.received is not None  # came while setting up: interruptible then loads nothing
-    dataset = stop.interruptible(lambda: _load_data(cfg)) if one else _load_data(cfg)
+    dataset = stop.interruptible(lambda: _load_data(cfg, walk)) if one else _load_data(cfg, walk)
     if _stop_agreed(stop):  # nothing built or compiled yet, nor written: stop before any of it
       raise _stopped_before_training(stop, "before" if early else "after" if dataset is not None else "while")
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
-      cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
+      cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()),
+                                walk=walk)
       report.check_attention(cfg)
     if cfg.batch_size % jax.device_count():
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
