@@ -6,6 +6,7 @@ need processes of their own, which share compiled programs through a persistent
 compilation cache so that each pays only python's start and jax's import.
 """
 
+import argparse
 import dataclasses
 import glob
 import json
@@ -625,6 +626,18 @@ def test_bad_flag_exits_2_before_building_anything(tmp_path, case, capsys, monke
   message = message.replace("{d}", str(tmp_path))
   assert e.value.code == 2 and message in err, err
   assert len(err.strip().splitlines()) == 1, err
+
+
+def test_arguments_left_over_get_argparse_own_message(tmp_path, monkeypatch, capsys):
+  """Arguments that are not a shell's expansion of --data's pattern are refused in argparse's words, as argparse
+  has them now (here, reworded through its translation hook), not a copy of them that could drift from it."""
+  reworded = lambda text: text.replace("unrecognized arguments", "arguments nobody asked for")
+  monkeypatch.setattr(argparse, "_", lambda text, gettext=argparse._: reworded(gettext(text)))
+  with pytest.raises(SystemExit) as e:
+    cli.parse(["--data", str(tmp_path / "a.bin"), str(tmp_path / "notes.txt")])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err == f"error: arguments nobody asked for: {tmp_path}/notes.txt (see python -m train " \
+                                      "--help)\n", err
 
 
 @pytest.mark.parametrize("case", ["batch-size-0", "lr-nan", "metrics-is-a-folder"])

@@ -255,9 +255,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.error(f"--data {a.data} is followed by {len(extra)} more .bin file(s) ({' '.join(extra[:3])}"
             f"{' ...' if len(extra) > 3 else ''}): the shell expanded an unquoted pattern into the files it matches, "
             f"and --data takes one. Quote the pattern so that it reaches python -m train whole{pattern}")
-  if extra:
-    p.error(f"unrecognized arguments: {' '.join(extra)}")  # parse_args's own message
-  return a
+  return p.parse_args(argv) if extra else a  # parse_args refuses what is left over, in argparse's own words
 
 
 def _expanded(given: str | None, extra: list[str], argv: list[str]) -> bool:
