@@ -4,12 +4,14 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import attnlayers
 from attnlayers.device import has_module
 from attnlayers.nnx import MultiHeadAttention
+from tests import reference
 
 q = jnp.zeros((2, 8, 6, 16))
 kv = jnp.zeros((2, 8, 2, 16))
@@ -142,6 +144,31 @@ def test_auto_says_how_its_choice_runs_the_call(monkeypatch):
   plan = attnlayers.explain("auto", x, x, x, is_causal=True, window=(7, 0))
   assert plan.chosen == "cudnn" and plan.notes == direct.notes, str(plan)
   assert "local_window_size=(7, 0)" in str(plan)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=lambda d: jnp.dtype(d).name)
+def test_float8_inputs_run_on_naive_and_the_others_say_why(dtype, monkeypatch):
+  """jax's XLA attention cannot take float8 q/k/v (it promotes them with float32 for its scores, and jax refuses
+  that promotion): xla said it ran them and then raised jax's TypePromotionError. It refuses them now, naming
+  'naive', which auto picks; the fp16/bf16 kernels name 'naive' too (not 'xla', which cannot). On an H200 (stood
+  in for, nothing runs there) as on this machine."""
+  from attnlayers import device as device_lib
+  x8 = jax.random.normal(jax.random.key(0), (2, 8, 4, 16)).astype(dtype)  # (B, T, N, H)
+  name = jnp.dtype(dtype).name
+  with pytest.raises(attnlayers.BackendUnavailableError, match=f"cannot run {name} q/k/v; 'naive' runs them"):
+    attnlayers.attention(x8, x8, x8, backend="xla")
+  out = attnlayers.attention(x8, x8, x8)
+  assert out.dtype == dtype
+  if dtype == jnp.float8_e4m3fn:  # E4M3 is what the "fp8" rule is written for
+    want, _ = reference.forward(*(np.asarray(x8.astype(jnp.float32), np.float64) for _ in range(3)))
+    reference.assert_close(out, want, "fp8", what="naive on float8_e4m3fn")
+  monkeypatch.setattr(device_lib, "of", lambda *arrays: device_lib.DeviceInfo("gpu", "NVIDIA H200", (9, 0), 91900))
+  plan = attnlayers.explain("auto", x8, x8, x8)
+  assert plan.chosen == "naive" and set(plan.unmet) == {"cudnn", "xla"}, str(plan)
+  for backend in ("cudnn", "te", "te-fp8"):
+    about_dtype = [r for r in attnlayers.explain(backend, x8, x8, x8).unmet[backend] if name in r]
+    assert len(about_dtype) == 1 and "only 'naive' runs" in about_dtype[0], about_dtype
+    assert "'xla'" not in about_dtype[0], about_dtype
 
 
 def test_dropout_needs_rng():

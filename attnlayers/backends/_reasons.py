@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attnlayers import device as device_lib
@@ -28,11 +29,20 @@ def transformer_engine(what: str) -> list[str]:
           f"and a GPU to build); {what} runs on it"]
 
 
+def is_narrow_float(dtype: np.dtype) -> bool:
+  """A float of fewer than 16 bits (jax's float8_* and float4_* types): jax promotes none of them implicitly,
+  and of our backends only 'naive' runs them as q/k/v."""
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 2
+
+
 def half_precision(call: Call, what: str) -> list[str]:
   if call.dtype in HALF:
     return []
   if np.issubdtype(call.dtype, np.complexfloating):
     return [f"{what} takes no complex inputs (got {call.dtype.name}); use backend='naive'"]
+  if is_narrow_float(call.dtype):
+    return [f"{what} needs float16 or bfloat16 q/k/v; got {call.dtype.name}, which only 'naive' runs (use "
+            "backend='naive', or cast the inputs to bfloat16)"]
   return [f"{what} needs float16 or bfloat16 q/k/v; got {call.dtype.name} "
           "(cast the inputs, e.g. the layer's dtype=jnp.bfloat16, or use backend='xla' for float32)"]
 

@@ -1,7 +1,8 @@
 """XLA's own attention: `jax.nn.dot_product_attention(implementation="xla")`.
 
-Runs on every platform and float dtype; on a GPU, XLA fuses what it can but still builds
-the (B, N, T, S) scores in memory.
+Runs on every platform for float16, bfloat16, float32 and float64 q/k/v; not for float8/float4
+ones, which jax will not promote to its float32 scores ('naive' runs those), nor complex ones. On a
+GPU, XLA fuses what it can but still builds the (B, N, T, S) scores in memory.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from attnlayers.backends import _masks, _reasons
 from attnlayers.spec import Call, Options
 
 NAME = "xla"
-SUMMARY = "jax.nn.dot_product_attention(implementation='xla'); any platform, any float dtype"
+SUMMARY = "jax.nn.dot_product_attention(implementation='xla'); any platform; float16, bfloat16, float32, float64"
 MIN_CC = None  # runs on any device jax runs on
 
 
@@ -21,6 +22,11 @@ def unmet(call: Call) -> list[str]:
   if call.dtype.kind == "c":  # jax casts the scores to float32 before its softmax
     reasons.append(f"jax's XLA attention drops the imaginary part of the scores before its softmax, so it "
                    f"cannot run {call.dtype.name} q/k/v; 'naive' runs complex attention as Flax does")
+  if _reasons.is_narrow_float(call.dtype):  # jax computes the scores in promote_types(dtype, float32)
+    reasons.append(f"jax's XLA attention promotes q/k/v with float32 for its scores, which jax refuses for "
+                   f"{call.dtype.name} (it promotes no float narrower than 16 bits implicitly), so it cannot run "
+                   f"{call.dtype.name} q/k/v; 'naive' runs them (scores and softmax in float32), or cast the inputs "
+                   "to bfloat16")
   return reasons
 
 
