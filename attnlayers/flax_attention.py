@@ -71,7 +71,8 @@ def _flax_mask(mask):
   """Flax's mask (nonzero = may attend) as bool, and for a traced float mask a flag that it held only 0 and 1.
 
   A float mask must hold only 0 (masked) and 1 (attend): an additive mask (0 / -inf, as PyTorch
-  takes) read as nonzero-attends would be inverted. A concrete one is checked now; a traced one
+  takes) read as nonzero-attends would be inverted. The error names what works from a layer, which
+  takes no bias=: the boolean mask (additive_mask == 0), or attnlayers.attention's bias=. A concrete one is checked now; a traced one
   cannot raise, so where it holds other values the call's output is NaN (the flag returned).
   """
   if not jnp.issubdtype(mask.dtype, jnp.inexact):
@@ -82,8 +83,10 @@ def _flax_mask(mask):
   if not np.all((values == 0) | (values == 1)):
     other = sorted({float(x) for x in np.unique(values) if x not in (0, 1)})[:3]
     raise ValueError(f"a {mask.dtype} mask must hold only 0 (masked) and 1 (may attend), Flax's convention; it holds "
-                     f"{', '.join(map(str, other))}. An additive mask (0 where allowed, -inf where not, as PyTorch takes) "
-                     "goes in bias= instead; or pass a boolean mask (True = may attend).")
+                     f"{', '.join(map(str, other))}. For an additive mask (0 where allowed, -inf where not, as PyTorch "
+                     "takes) pass the boolean mask it stands for, mask=(additive_mask == 0) (True = may attend); the "
+                     "layers take no bias=, so an additive bias of other values needs the functional core, "
+                     "attnlayers.attention(q, k, v, bias=...).")
   return mask != 0, None
 
 

@@ -71,14 +71,28 @@ def test_layer_kv_heads_must_be_positive(kv_heads):
     MultiHeadAttention(4, 64, num_kv_heads=kv_heads, decode=False, rngs=nnx.Rngs(0))
 
 
-def test_additive_float_mask_is_refused_with_a_pointer_to_bias():
+def test_additive_float_mask_is_refused_with_a_pointer_to_what_works_there():
+  """A layer's refusal of an additive mask names what works on a layer: the boolean mask it stands for (which then
+  runs), or the functional core's bias=. It said the mask "goes in bias= instead", which no layer takes (TypeError);
+  attnlayers.attention(), which takes bias=, keeps pointing there."""
+  import attnlayers.linen
   layer = MultiHeadAttention(4, 64, decode=False, backend="xla", rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(2), (2, 8, 64))
   additive = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), 0.0, -jnp.inf)  # PyTorch-style
-  with pytest.raises(ValueError, match="bias="):
-    layer(x, mask=additive)
+  linen_layer = attnlayers.linen.MultiHeadDotProductAttention(num_heads=4, backend="xla")
+  params = linen_layer.init(jax.random.key(0), x)
+  for call in (lambda mask: layer(x, mask=mask), lambda mask: linen_layer.apply(params, x, mask=mask)):
+    with pytest.raises(ValueError) as err:
+      call(additive)
+    message = str(err.value)
+    assert "goes in bias=" not in message and "mask=(additive_mask == 0)" in message, message
+    assert "attnlayers.attention(q, k, v, bias=" in message, message
+    np.testing.assert_array_equal(call(additive == 0), call(jnp.tril(jnp.ones((8, 8), bool))))  # the hint runs
+  np.testing.assert_array_equal(layer(x, mask=additive == 0), layer(x, is_causal=True))
   flax_style = jnp.tril(jnp.ones((8, 8), jnp.float32))  # 0/1 float masks keep working
   np.testing.assert_array_equal(layer(x, mask=flax_style), layer(x, is_causal=True))
+  with pytest.raises(ValueError, match=r"an additive mask \(0 / -inf\) goes in bias="):  # where bias= works
+    attnlayers.attention(q, kv, kv, mask=additive)
 
 
 def test_fp8_core_mode_is_checked():
