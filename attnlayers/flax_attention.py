@@ -114,9 +114,12 @@ class BackendAttention:
   output may differ from Flax's by that one rounding.
 
   Complex inputs run on 'naive' only (`auto` picks it): jax.nn.softmax of the complex scores,
-  as Flax computes it. Flax with force_fp32_for_softmax=True casts complex scores to float32,
-  dropping their imaginary part (jax warns that this cast will become an error); here that
-  combination raises a ValueError.
+  as Flax's attention computes it where it builds the weights (linen's always; nnx's with
+  sow_weights or a dropout_rate). Flax's nnx attention without them calls
+  jax.nn.dot_product_attention, and linen's with force_fp32_for_softmax=True casts the scores
+  to float32: both drop their imaginary part (jax warns that this cast will become an error).
+  Here the first keeps the complex softmax (README: where the layers differ from Flax's), and
+  the second raises a ValueError.
   """
   backend: str = backends.AUTO
   fp8_core: str = "fp8"  # te-fp8 only: how its attention core runs (attnlayers.spec.FP8_CORE_MODES)

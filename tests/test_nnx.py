@@ -146,6 +146,30 @@ def test_sow_weights_inside_nnx_capture_matches_flax():
   assert not nnx.state(ours, nnx.Intermediate)  # capture returns them; the layer keeps none
 
 
+def test_complex_inputs_keep_the_complex_softmax_where_flax_s_default_drops_the_imaginary_part():
+  """README, where the layers differ from Flax's: Flax's nnx class without sow_weights or dropout calls
+  jax.nn.dot_product_attention, which casts the complex scores to float32 (jax warns); ours takes the softmax of
+  the complex scores on every call, as Flax's class does where it builds the weights (sow_weights). xla's refusal
+  said 'naive' runs complex attention "as Flax does", which Flax's default nnx path does not; it now says where."""
+  kw = dict(num_heads=2, in_features=D, decode=False, dtype=jnp.complex64, param_dtype=jnp.complex64)
+  ours, flax_layer = MultiHeadAttention(**kw, rngs=nnx.Rngs(0)), nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+  parts = jax.random.normal(jax.random.key(1), (2, 2, 6, D))
+  x = (parts[0] + 1j * parts[1]).astype(jnp.complex64)  # (B, T, D)
+  out = ours(x)
+  np.testing.assert_allclose(out, flax_layer(x, sow_weights=True), **reference.tolerance(jnp.float32))
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)  # jax: complex-to-real casts will become errors
+      flax_default = flax_layer(x)
+  except (TypeError, ValueError):  # a later jax that refuses the cast outright
+    flax_default = None
+  assert flax_default is None or not np.allclose(out, flax_default, atol=1e-2), \
+      "Flax's default nnx path now keeps the imaginary part: update the README's note on complex inputs"
+  q = x.reshape(2, 6, 4, D // 4)  # (B, T, N, H)
+  message = " ".join(attnlayers.explain("xla", q, q, q).unmet["xla"])
+  assert "as Flax does" not in message and "nnx's with sow_weights or a dropout_rate" in message, message
+
+
 def test_sow_weights_on_a_fused_backend_raises():
   ours, _ = pair(backend="xla")
   with pytest.raises(attnlayers.BackendUnavailableError, match="only 'naive' can"):

@@ -4,7 +4,8 @@ scores = q k^T (float32 accumulation) -> scale -> bias -> mask -> float32 softma
 weights (cast to the input dtype) -> dropout -> weights v. It materialises the
 (B, N, T, S) weights, so it is the one backend that can return them, apply dropout
 to them, or honour a matmul `precision`. Complex q/k/v give complex64 scores (float32
-parts) whose softmax is jax.nn.softmax of the complex values, as in Flax's attention.
+parts) whose softmax is jax.nn.softmax of the complex values, as in Flax's
+dot_product_attention_weights.
 """
 
 from __future__ import annotations

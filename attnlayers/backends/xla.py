@@ -20,8 +20,10 @@ MIN_CC = None  # runs on any device jax runs on
 def unmet(call: Call) -> list[str]:
   reasons = _reasons.fused_only(call, NAME, exact_half_products=True)
   if call.dtype.kind == "c":  # jax casts the scores to float32 before its softmax
-    reasons.append(f"jax's XLA attention drops the imaginary part of the scores before its softmax, so it "
-                   f"cannot run {call.dtype.name} q/k/v; 'naive' runs complex attention as Flax does")
+    reasons.append(f"jax's XLA attention drops the imaginary part of the scores before its softmax (it casts them "
+                   f"to float32), so it cannot run {call.dtype.name} q/k/v; 'naive' runs them, with the softmax of "
+                   "the complex scores, as Flax's attention computes it where it builds the weights (linen's "
+                   "layers always; nnx's with sow_weights or a dropout_rate, else it calls this XLA attention)")
   if _reasons.is_narrow_float(call.dtype):  # jax computes the scores in promote_types(dtype, float32)
     reasons.append(f"jax's XLA attention promotes q/k/v with float32 for its scores, which jax refuses for "
                    f"{call.dtype.name} (it promotes no float narrower than 16 bits implicitly), so it cannot run "
