@@ -49,6 +49,7 @@ nnx.scan / lax.scan, and lengths= is refused (it needs a position per row: use o
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 
@@ -139,6 +140,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       raise ValueError("input_positions= is passed on to a custom attention_fn (e.g. Flax's "
                        "dot_product_attention_with_rope); the layer's own backends apply no rotary embedding. "
                        "Rotate q and k in an attention_fn of your own, or leave input_positions out")
+    if not custom:
+      _check_call_keywords(kwargs)
     if custom and extra:
       raise ValueError("segment_ids= and sliding windows need the layer's own backends; a custom attention_fn "
                        "takes Flax's arguments only")
@@ -238,3 +241,23 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     sizes = [n * h for n, h in heads]
     parts = jnp.split(y, [sizes[0], sizes[0] + sizes[1]], axis=-1)
     return tuple(part.reshape(*part.shape[:-1], *hs) for part, hs in zip(parts, heads))  # (*batch, T, heads, H)
+
+
+def _keywords(method, internal: set[str]) -> list[str]:
+  return [name for name, p in inspect.signature(method).parameters.items()
+          if p.kind is not p.VAR_KEYWORD and name not in internal]
+
+
+# What a call takes by keyword: __call__'s own, and Flax's, which __call__ hands on to _attend
+CALL_KEYWORDS = tuple(_keywords(MultiHeadAttention.__call__, {"self", "inputs_q"}) + _keywords(
+    MultiHeadAttention._attend, {"self", "inputs_q", "inputs_k", "inputs_v", "cache", "extra", "lengths", "is_causal"}))
+
+
+def _check_call_keywords(kwargs: dict) -> None:
+  """A keyword no call takes raises as Python raises it for Flax's class, naming __call__ (not the private _attend
+  that would meet it first), and the nearest keyword a call takes."""
+  for name in kwargs:
+    if name not in CALL_KEYWORDS:
+      near = difflib.get_close_matches(name, CALL_KEYWORDS, n=1)
+      raise TypeError(f"MultiHeadAttention.__call__() got an unexpected keyword argument {name!r}"
+                      + (f"; did you mean {near[0]!r}?" if near else f"; it takes {', '.join(CALL_KEYWORDS)}"))

@@ -273,3 +273,19 @@ def test_input_positions_go_to_a_custom_attention_fn_only():
   with pytest.raises(ValueError, match="input_positions= is passed on to a custom attention_fn"):
     ours(x[:, :1], decode=True, input_positions=positions[:, :1])
   ours(x[:, :1], decode=True, input_positions=None)
+
+
+def test_a_misspelt_call_keyword_is_named_on_the_public_call():
+  """Flax's class says 'MultiHeadAttention.__call__() got an unexpected keyword argument'; ours said
+  '_attend()', a private step, for plain and decode calls alike. Now the public call, with the nearest keyword."""
+  ours, flax_layer = pair()
+  x, _ = x_and_mask()
+  with pytest.raises(TypeError) as flax_err:
+    flax_layer(x, is_casual=True)
+  for call in (lambda: ours(x, is_casual=True), lambda: ours(x[:, :1], decode=True, is_casual=True)):
+    with pytest.raises(TypeError) as err:
+      call()
+    assert str(err.value).startswith(str(flax_err.value)), (str(err.value), str(flax_err.value))
+    assert "did you mean 'is_causal'?" in str(err.value)
+  with pytest.raises(TypeError, match=r"__call__\(\) got an unexpected keyword argument 'extra'"):
+    ours(x, extra={})  # _attend's own arguments are not the caller's
