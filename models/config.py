@@ -12,7 +12,7 @@ WINDOW_KINDS = ("local", "global")  # window_pattern's words: the layer uses the
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-  vocab_size: int = 50304  # token ids; GPT-2's 50257 padded to a multiple of 64
+  vocab_size: int = 50304  # token ids; GPT-2's 50257 padded to a multiple of 64 (never sampled: Sampling.real_vocab)
   seq_len: int = 1024  # longest context; size of the learned position table
   n_layer: int = 12  # transformer blocks
   n_head: int = 12  # query heads

@@ -39,6 +39,7 @@ class Sampling:
   temperature: float = 1.0  # 0 = greedy (argmax); otherwise logits / temperature
   top_k: int | None = None  # keep the k most likely tokens (ties to the lower id); None = all
   seed: int = 0  # the random stream of the whole generation: an int in [0, SEEDS)
+  real_vocab: int | None = None  # draw only ids below this: the tokenizer's (vocab_size may be padded past); None: all
 
   def __post_init__(self):
     s = self.seed
@@ -51,15 +52,32 @@ class Sampling:
     k = self.top_k
     if k is not None and (not is_integer(k) or k < 1):
       raise ValueError(f"top_k must be an integer >= 1, or None to keep every token; got {self.top_k!r}")
+    n = self.real_vocab
+    if n is not None and (not is_integer(n) or n < 1):
+      raise ValueError(f"real_vocab must be an integer >= 1 (the ids the tokenizer gives; a model's vocab_size may "
+                       f"be padded past them), or None to draw from every id; got {n!r}")
 
   def check(self, vocab_size: int) -> None:
-    if self.top_k is not None and self.top_k > vocab_size:
-      raise ValueError(f"top_k ({self.top_k}) must be <= the model's vocab_size ({vocab_size}); "
-                       "None keeps every token")
+    if self.real_vocab is not None and self.real_vocab > vocab_size:
+      raise ValueError(f"real_vocab ({self.real_vocab}) must be <= the model's vocab_size ({vocab_size}): the ids "
+                       "the tokenizer gives are among the model's; None draws from every id")
+    if self.top_k is not None and self.top_k > self.ids(vocab_size):
+      what = (f"real_vocab ({self.real_vocab}), the ids drawn from" if self.real_vocab is not None else
+              f"the model's vocab_size ({vocab_size})")
+      raise ValueError(f"top_k ({self.top_k}) must be <= {what}; None keeps every token")
+
+  def ids(self, vocab_size: int) -> int:
+    """How many ids a model of `vocab_size` draws from: 0 .. ids - 1."""
+    return vocab_size if self.real_vocab is None else self.real_vocab
 
 
 def sample(logits: Float[Array, "B V"], key, sampling: Sampling) -> Int[Array, "B"]:
-  """One token per row: argmax at temperature 0, else a draw from softmax(logits / T) over the top k."""
+  """One token per row of the first real_vocab ids: argmax at temperature 0, else a draw from softmax(logits / T)
+  over the top k.
+
+  The ids past real_vocab (a vocabulary padded for the GEMMs: GPT-2's 50257 to 50304) are left out, as logits of
+  -inf would be: no data trained them as targets, and their logits are whatever the weights give."""
+  logits = logits[:, :sampling.real_vocab]  # (B, real_vocab); None: (B, V)
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   # the row's largest at 0 first: a tiny temperature then sends the rest to -inf, not everything to +-inf
@@ -96,9 +114,11 @@ def check_options(vocab_size: int, sampling: Sampling, stop_token: int | None) -
     raise ValueError(f"sampling must be a models.generate.Sampling, e.g. Sampling(temperature=0.8, top_k=40); "
                      f"got {sampling!r}")
   sampling.check(vocab_size)
-  if stop_token is not None and (not is_integer(stop_token) or not 0 <= stop_token < vocab_size):
-    raise ValueError(f"stop_token must be a token id, an integer in [0, {vocab_size}), or None to stop only at "
-                     f"max_new_tokens; got {stop_token!r}")
+  ids = sampling.ids(vocab_size)  # a stop token past them is never drawn
+  if stop_token is not None and (not is_integer(stop_token) or not 0 <= stop_token < ids):
+    raise ValueError(f"stop_token must be a token id, an integer in [0, {ids}), or None to stop only at "
+                     f"max_new_tokens; got {stop_token!r}" + (f" (ids from {ids} on are past real_vocab: never drawn)"
+                                                              if ids < vocab_size else ""))
 
 
 def check_fits(seq_len: int, prompt_len: int, max_new_tokens: int) -> None:

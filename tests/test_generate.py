@@ -7,6 +7,7 @@ positions at a larger one, so that greedy decoding wanders over many tokens inst
 repeating one.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -245,6 +246,41 @@ def test_sampling_with_top_k_draws_only_from_the_k_kept_tokens():
   assert set(np.asarray(tokens).tolist()) == {0, 1}
 
 
+def padding_on_top(m: models.GPT, real: int) -> models.GPT:
+  """m (tied embeddings, biases) made to rank its padding ids (>= real) first at every position: the final
+  LayerNorm gives its bias alone (scale 0), all ones, and the padding rows of the tied embedding are ones too, so
+  each padding logit is d_model (32) where a real one, of a row drawn at 0.5, is about N(0, 2.8)."""
+  m = nnx.clone(m)
+  m.ln_f.scale[...] = jnp.zeros_like(m.ln_f.scale[...])
+  m.ln_f.bias[...] = jnp.ones_like(m.ln_f.bias[...])
+  m.wte.embedding[...] = m.wte.embedding[...].at[real:].set(1.0)
+  return m
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, Sampling(top_k=5, seed=1), Sampling(temperature=1.0, seed=2),
+                                      Sampling(temperature=3.0, seed=3)], ids=["greedy", "top-k", "t1", "t3"])
+def test_padding_ids_are_never_sampled_however_likely(sampling):
+  """A vocabulary padded past the tokenizer's ids (GPT-2's 50257 to 50304): no data trains the padding ids as
+  targets, so their logits may be anything, here the largest. With real_vocab the draw leaves them out (as logits of
+  -inf); without it they are what greedy, top-k and temperature sampling pick."""
+  real, m = 50, padding_on_top(model(config(n_layer=1)), 50)
+  unmasked = generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=sampling).tokens
+  assert min(int(t.min()) for t in unmasked) >= real  # the padding logits do rank first
+  masked = generate(m, PROMPTS[:2], max_new_tokens=NEW, sampling=dataclasses.replace(sampling, real_vocab=real)).tokens
+  assert max(int(t.max()) for t in masked) < real
+  if sampling.temperature == 0:  # greedy among the real ids: the argmax of their logits, recomputed
+    logits = forward(m)
+    for prompt, tokens in zip(PROMPTS[:2], masked):
+      assert tokens.tolist() == greedy_by_recomputation(lambda seq: logits(seq)[:, :real], prompt, NEW)
+
+
+def test_sample_draws_only_ids_below_real_vocab():
+  logits = jnp.array([[0.0, 1.0, 9.0, 8.0]] * 4096)  # (4096, 4): ids 2 and 3, past real_vocab 2, the most likely
+  assert set(np.asarray(sample(logits, jax.random.key(0), Sampling(real_vocab=2))).tolist()) == {0, 1}
+  assert np.asarray(sample(logits, jax.random.key(0), Sampling(temperature=0, real_vocab=2))).tolist() == [1] * 4096
+  assert np.asarray(sample(logits, jax.random.key(0), Sampling(top_k=1, real_vocab=3))).tolist() == [2] * 4096
+
+
 def test_parameters_cast_once_to_the_compute_dtype():
   m = model(config(dtype="bfloat16"))
   d = Decoder(m, batch=1, cache_len=64, prompt_len=64, sampling=GREEDY)
@@ -298,6 +334,9 @@ def test_bad_prompts_are_clear_errors(prompts, new, message):
     ({"seed": 2**63}, r"seed must be an integer in \[0, 2\*\*32\)"),  # jax.random.key raised OverflowError
     ({"seed": -1}, r"seed must be an integer in \[0, 2\*\*32\)"),
     ({"seed": 1.5}, r"seed must be an integer in \[0, 2\*\*32\)"),  # a TypeError from inside the compiled prefill
+    ({"real_vocab": 0}, r"real_vocab must be an integer >= 1 \(the ids the tokenizer gives"),
+    ({"real_vocab": 50.0}, r"real_vocab must be an integer >= 1"),
+    ({"real_vocab": True}, r"real_vocab must be an integer >= 1"),
 ])
 def test_bad_sampling_is_a_clear_error(kw, message):
   with pytest.raises(ValueError, match=message):
@@ -314,12 +353,17 @@ def test_bad_sampling_is_a_clear_error(kw, message):
                           "max_new_tokens; got 2.0"),
     ({"stop_token": True}, "stop_token must be a token id, an integer in [0, 64), or None"),
     ({"stop_token": 64}, "stop_token must be a token id, an integer in [0, 64), or None"),
+    ({"stop_token": 50, "sampling": Sampling(real_vocab=50)}, "stop_token must be a token id, an integer in [0, 50), "
+     "or None to stop only at max_new_tokens; got 50 (ids from 50 on are past real_vocab: never drawn)"),
+    ({"sampling": Sampling(real_vocab=65)}, "real_vocab (65) must be <= the model's vocab_size (64)"),
+    ({"sampling": Sampling(top_k=51, real_vocab=50)}, "top_k (51) must be <= real_vocab (50), the ids drawn from"),
     ({"sampling": None}, "sampling must be a models.generate.Sampling, e.g. Sampling(temperature=0.8, top_k=40); "
                          "got None"),
     ({"sampling": {"temperature": 0}}, "sampling must be a models.generate.Sampling"),
     ({"model": object()}, "model must be a models.GPT; got object"),
 ], ids=["new-float", "new-bool", "new-negative", "new-str", "new-none", "stop-float", "stop-bool", "stop-65th",
-        "sampling-none", "sampling-dict", "model"])
+        "stop-past-real-vocab", "real-vocab-past-vocab", "top-k-past-real-vocab", "sampling-none", "sampling-dict",
+        "model"])
 def test_bad_arguments_of_generate_are_clear_errors(kw, message):
   """Each names the argument, the value given and what it takes; 2.0 new tokens raised a TypeError about shapes
   from inside jax, True was one new token, and a float stop token was taken."""

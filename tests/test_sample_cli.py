@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+import models.generate
 from tests.test_train import write_shard
 from train import checkpoint, cli, hosts, lock, loop, sample, sample_cli, stepdirs
 
@@ -170,7 +171,7 @@ BAD = {
                      "here: --attn picks the backend (auto: one that runs this model); the compute dtype is the one "
                      "the model was trained in (python -m train --dtype)"),
     "top-k-past-vocab": (lambda t, d: ["--ckpt-dir", str(t[1]), "--top-k", "300"],
-                         "--top-k 300 is more than the model's vocabulary (256 tokens)"),
+                         "--top-k 300 is more than the 256 UTF-8 bytes the model samples from; use 1..256"),
     "top-k-0": (lambda t, d: ["--top-k", "0"], "argument --top-k: must be >= 1, got 0"),
     "negative-temperature": (lambda t, d: ["--temperature", "-1"], "argument --temperature: must be a finite number"),
     "nan-temperature": (lambda t, d: ["--temperature", "nan"], "argument --temperature: must be a finite number"),
@@ -262,10 +263,17 @@ def test_ids_a_tokenizer_lacks_read_as_the_replacement_character():
 
 
 @pytest.mark.parametrize("vocab", [512, 50304])
-def test_a_byte_model_with_a_larger_vocabulary_samples_as_bytes_as_the_trainer_did(tmp_path, vocab, capsys):
+def test_a_byte_model_with_a_larger_vocabulary_samples_as_bytes_as_the_trainer_did(tmp_path, vocab, capsys,
+                                                                                    monkeypatch):
   """--vocab-size above the data's 256 byte ids: the trainer says the extra ids never occur, its end-of-run sample
   decodes bytes, and the command it prints samples with bytes too (it said: no tokenizer for a vocabulary of 512,
-  or took 50304 for GPT-2 BPE)."""
+  or took 50304 for GPT-2 BPE). Both draw from the 256 byte ids only (real_vocab), never from the extra ones, which
+  no data trained as targets (they could, and then printed as U+FFFD)."""
+  drawn = []  # the real_vocab of each generate() call: the trainer's, then python -m sample's
+  def record(real):
+    return lambda *a, sampling, **kw: drawn.append(sampling.real_vocab) or real(*a, sampling=sampling, **kw)
+  monkeypatch.setattr(models.generate, "generate", record(models.generate.generate))
+  monkeypatch.setattr(sample_cli, "generate", record(sample_cli.generate))
   cli.main(["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--no-progress",
             "--eval-every", "0", "--sample-tokens", "8", "--vocab-size", str(vocab), "--ckpt-dir", str(tmp_path / "run")])
   printed = capsys.readouterr().out
@@ -274,6 +282,7 @@ def test_a_byte_model_with_a_larger_vocabulary_samples_as_bytes_as_the_trainer_d
   code, out, err = sample_main(shlex.split(command)[3:] + ["--tokens", "5"], capsys)
   assert code == 0, err
   assert "trained on python-stdlib (UTF-8 bytes)" in out
+  assert drawn == [256, 256]
 
 
 # --- python -m train's run folders (loop.run replaced: only the folder handling is under test)

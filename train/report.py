@@ -114,7 +114,8 @@ def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
   model = nnx.merge(s.model.graphdef, local(state["params"]), local(state["fp8"]))
   # the run's --seed may exceed 32 bits, which Sampling refuses; jax.random.key used its low 32 bits, as here
   gen = generate.generate(model, [prompt], max_new_tokens=new, backend=attnlayers.backends.AUTO,
-                          sampling=generate.Sampling(temperature=SAMPLE_TEMPERATURE, seed=s.cfg.seed % generate.SEEDS))
+                          sampling=generate.Sampling(temperature=SAMPLE_TEMPERATURE, seed=s.cfg.seed % generate.SEEDS,
+                                                     real_vocab=dataset.vocab_size))
   return {"sample": sample.decode(gen.tokens[0], dataset.tokenizer),
           "sample_prompt": sample.decode(prompt, dataset.tokenizer),
           "sample_time_to_first_token_s": gen.time_to_first_token_s, "sample_tokens_per_s": gen.decode_tokens_per_s}

@@ -199,13 +199,14 @@ def run(a) -> None:
   cfg = r.model.cfg
   prompt = sample.encode(text, r.tokenizer)
   new = _new_tokens(a.tokens, len(prompt), cfg.seq_len)
-  if a.top_k is not None and a.top_k > cfg.vocab_size:
-    raise SampleError(f"--top-k {a.top_k} is more than the model's vocabulary ({cfg.vocab_size} tokens); "
-                      f"use 1..{cfg.vocab_size}, or leave it out to keep every token")
+  ids = sample.IDS[r.tokenizer]  # drawn only from these: ids past them are the vocabulary's padding, never trained on
+  if a.top_k is not None and a.top_k > ids:
+    raise SampleError(f"--top-k {a.top_k} is more than the {ids} {sample.NAMES[r.tokenizer]} the model samples from; "
+                      f"use 1..{ids}, or leave it out to keep every token")
   print(f"{r.directory}: step {r.step}, trained on {r.data} ({sample.NAMES[r.tokenizer]}); {cfg.n_layer} layers, "
         f"d_model {cfg.d_model}, context {cfg.seq_len}; attention {a.attn}", flush=True)
   gen = generate(r.model, [prompt] * a.batch, max_new_tokens=new,
-                 sampling=Sampling(temperature=a.temperature, top_k=a.top_k, seed=a.seed))
+                 sampling=Sampling(temperature=a.temperature, top_k=a.top_k, seed=a.seed, real_vocab=ids))
   for i, tokens in enumerate(gen.tokens):
     if a.batch > 1:
       print(f"--- sample {i + 1} of {a.batch}")
