@@ -28,7 +28,7 @@ class GPTConfig:
   tie_embeddings: bool = True  # output projection reuses the token embedding (GPT-2)
   bias: bool = True  # biases in the Linears and LayerNorms (GPT-2); False: none (nanoGPT's train.py default)
   window: int | None = None  # sliding window: each query sees itself and the window - 1 tokens before it; None = all
-  window_pattern: str = "local"  # with window: "local"/"global" per layer, comma-separated, cycled from layer 0
+  window_pattern: str | None = None  # with window: "local"/"global" per layer, comma-separated, cycled; None: all local
   max_segments: int | None = None  # packed rows: the most documents one holds (te runs B * max_segments sequences); None: seq_len
   kernels: str = "auto"  # the model's own GPU kernels (LayerNorm, bias + GELU, loss): models.kernels.KERNELS
 
@@ -49,7 +49,7 @@ class GPTConfig:
     self._check_window()
 
   def _check_window(self) -> None:
-    w, kinds = self.window, self.window_pattern.split(",")
+    w, kinds = self.window, self.pattern.split(",")
     if w is not None and (not is_integer(w) or w < 1):
       raise ValueError(f"window must be an int >= 1 (tokens each query sees, itself included) or None for "
                        f"every earlier token; got {w!r}")
@@ -59,10 +59,10 @@ class GPTConfig:
     if any(k not in WINDOW_KINDS for k in kinds) or "local" not in kinds:
       raise ValueError(f"window_pattern must list {' or '.join(map(repr, WINDOW_KINDS))} per layer, comma-separated, "
                        f"at least one 'local' (e.g. 'local,global'); got {self.window_pattern!r}")
-    if w is None and self.window_pattern != "local":
+    if w is None and self.window_pattern is not None:
       raise ValueError(f"window_pattern {self.window_pattern!r} says which layers use the window; give window "
                        "(tokens per window) too")
-    layers = layer_kinds(self.window_pattern, self.n_layer)
+    layers = layer_kinds(self.pattern, self.n_layer)
     if w is not None and "local" not in layers:  # the pattern's 'local' lies past the last layer
       first = kinds.index("local")
       raise ValueError(
@@ -80,10 +80,15 @@ class GPTConfig:
   def layer_window(self, layer: int) -> tuple[int, int] | None:
     """Layer `layer`'s sliding_window for attnlayers: (window - 1, 0), or None where it attends every earlier
     token (no window, a 'global' layer, or a window that covers the whole context: window >= seq_len)."""
-    kinds = self.window_pattern.split(",")
+    kinds = self.pattern.split(",")
     if self.window is None or self.window >= self.seq_len or kinds[layer % len(kinds)] == "global":
       return None
     return (self.window - 1, 0)
+
+  @property
+  def pattern(self) -> str:
+    """window_pattern as the layers read it: "local" (every layer) where it is None."""
+    return "local" if self.window_pattern is None else self.window_pattern
 
   @property
   def head_dim(self) -> int:
@@ -93,10 +98,11 @@ class GPTConfig:
     """The fields that shape the parameters, and the attention window: what a checkpoint must agree on to
     resume, and what python -m sample rebuilds the model from. The window fields appear only when a window
     is set, so a checkpoint written before they existed reads as what it is: no window (one without "bias"
-    has biases: train.checkpoint.ABSENT_MODEL)."""
+    has biases: train.checkpoint.ABSENT_MODEL). The pattern is recorded as the layers read it (`pattern`): a
+    window_pattern of None is "local", as checkpoints recorded the default before it was None."""
     fields = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio",
               "param_dtype", "tie_embeddings", "bias")
-    window = {"window": self.window, "window_pattern": self.window_pattern} if self.window is not None else {}
+    window = {"window": self.window, "window_pattern": self.pattern} if self.window is not None else {}
     return {f: getattr(self, f) for f in fields} | {"n_kv_head": self.n_kv_head or self.n_head} | window
 
 

@@ -10,12 +10,14 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -242,6 +244,47 @@ def test_resume_with_other_packing_or_window_is_refused(packed_run, flags, diffe
   err = capsys.readouterr().err
   assert e.value.code == 2 and "cannot resume" in err and difference in err, err
   assert "--allow-change pack" not in err and "--allow-change window" not in err
+
+
+def test_window_pattern_defaults_to_none_every_layer_local():
+  """None (the default) puts the window on every layer and is recorded as "local", what checkpoints recorded when
+  "local" was the default; now the model tells a pattern given without a window from the default, and refuses it
+  (python -m train refused --window-pattern local without --window on its own)."""
+  cfg = small(window=5)
+  assert cfg.window_pattern is None and [cfg.layer_window(i) for i in range(2)] == [(4, 0), (4, 0)]
+  assert cfg.architecture()["window_pattern"] == "local" and "window_pattern" not in small().architecture()
+  with pytest.raises(ValueError, match="window_pattern 'local' says which layers use the window; give window"):
+    small(window_pattern="local")
+
+
+# What python -m train --preset tiny --seq-len 32 --window 8 recorded when window_pattern defaulted to "local"
+OLD_DEFAULT_MODEL = {"vocab_size": 256, "seq_len": 32, "n_layer": 2, "n_head": 4, "n_kv_head": 2, "d_model": 128,
+                     "mlp_ratio": 4, "param_dtype": "float32", "tie_embeddings": True, "bias": True, "window": 8,
+                     "window_pattern": "local"}
+
+
+def test_a_checkpoint_of_the_old_default_pattern_resumes_and_samples(packed_run, tmp_path, monkeypatch, capsys):
+  """A checkpoint written before window_pattern defaulted to None records "local" for it: a run without
+  --window-pattern resumes it, and python -m sample rebuilds its window on every layer."""
+  now = {"model": models.preset("tiny", seq_len=32, window=8).architecture(), "seed": 0, "pack": True}
+  assert checkpoint.check_meta(str(tmp_path), 3, now | {"model": OLD_DEFAULT_MODEL}, now) == {}
+  read = sample_cli._read_only
+
+  def old_record(directory, step, **items):  # python -m sample reads the old record, as it was written
+    got = read(directory, step, **items)
+    return got | {"meta": got["meta"] | {"model": OLD_DEFAULT_MODEL}} if "meta" in items else got
+  monkeypatch.setattr(sample_cli, "_read_only", old_record)
+  restored = sample_cli.restore(str(packed_run[0]), "auto")
+  assert restored.model.cfg.window_pattern == "local"
+  assert [b.attn.sliding_window for b in restored.model.blocks] == [(7, 0), (7, 0)]
+  monkeypatch.undo()
+  folder = tmp_path / "c"
+  shutil.copytree(packed_run[0], folder)  # this trainer's checkpoint records the same model (asserted next)
+  assert sample_cli._read_only(str(folder), 3, meta=ocp.args.JsonRestore())["meta"]["model"] == OLD_DEFAULT_MODEL
+  cli.main([*TINY, "--pack", "--window", "8", "--steps", "4", "--allow-change", "steps", "--eval-every", "0",
+            "--sample-tokens", "0", "--ckpt-dir", str(folder)])
+  assert f"resumed from {folder} at step 3" in capsys.readouterr().out
+  assert sample_cli.newest_intact(str(folder)) == 4
 
 
 def test_a_checkpoint_from_before_packing_resumes_unpacked_only(tmp_path):

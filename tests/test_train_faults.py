@@ -525,7 +525,7 @@ BAD_FLAGS = {
     "window-0": (lambda d: ["--window", "0"], "argument --window: must be >= 1, got 0"),
     "window-negative": (lambda d: ["--window", "-3"], "argument --window: must be >= 1, got -3"),
     "pattern-without-window": (lambda d: ["--window-pattern", "local,global"], "give window (tokens per window) too"),
-    "pattern-local-without-window": (lambda d: ["--window-pattern", "local"],  # the model's default: only the CLI sees it
+    "pattern-local-without-window": (lambda d: ["--window-pattern", "local"],  # the model refuses it (not its default)
                                      "window_pattern 'local' says which layers use the window; give window (tokens per "
                                      "window) too (window is --window, window_pattern is --window-pattern)"),
     "pattern-unknown-word": (lambda d: ["--window", "8", "--window-pattern", "local,dense"],

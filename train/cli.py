@@ -274,9 +274,6 @@ def main(argv=None) -> None:
     print(f"error: {ignored}", file=sys.stderr)
     sys.exit(2)
   try:
-    if a.window is None and a.window_pattern is not None:  # the model cannot tell --window-pattern local from its default
-      raise ValueError(f"window_pattern {a.window_pattern!r} says which layers use the window; give window (tokens per "
-                       "window) too")
     walk = data.Walk(a.data)  # --data's folder, walked where first needed: every check below and load read that walk
     model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
                           n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype, bias=a.bias,
