@@ -289,7 +289,7 @@ def test_a_byte_model_with_a_larger_vocabulary_samples_as_bytes_as_the_trainer_d
 
 
 def _fake_run(seen: list, fail: bool = False):
-  def run(cfg):
+  def run(cfg, walk=None):  # loop.run's signature: the CLI hands on the data.Walk its checks were made with
     seen.append(cfg.ckpt_dir)
     ckpts = checkpoint.Checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir else None  # a run first creates and locks its folder
     if fail and ckpts:
@@ -416,7 +416,7 @@ def test_a_run_folder_process_0_cannot_make_stops_every_process_with_its_reason(
   """Process 0 sends its failure as it would the path: the others stop with the same error instead of waiting."""
   monkeypatch.chdir(tmp_path)
   (tmp_path / cli.RUNS).write_text("a file where the run folders go")
-  monkeypatch.setattr(loop, "run", lambda cfg: pytest.fail("trained without a run folder"))
+  monkeypatch.setattr(loop, "run", lambda cfg, walk=None: pytest.fail("trained without a run folder"))
   me = _as_processes(monkeypatch)
   errors = []
   for me["index"] in (0, 1):
