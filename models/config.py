@@ -102,7 +102,8 @@ class GPTConfig:
     window_pattern of None is "local", as checkpoints recorded the default before it was None."""
     fields = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio",
               "param_dtype", "tie_embeddings", "bias")
-    window = {"window": self.window, "window_pattern": self.pattern} if self.window is not None else {}
+    # int(): a numpy int window (is_integer takes them) is no JSON, and the checkpoint records this as JSON
+    window = {"window": int(self.window), "window_pattern": self.pattern} if self.window is not None else {}
     return {f: getattr(self, f) for f in fields} | {"n_kv_head": self.n_kv_head or self.n_head} | window
 
 

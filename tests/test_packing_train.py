@@ -160,6 +160,13 @@ def test_window_takes_a_numpy_int():
   assert small(window=np.int64(5)).layer_window(0) == small(window=5).layer_window(0) == (4, 0)
 
 
+def test_a_numpy_int_window_is_recorded_as_json_takes_it():
+  """A checkpoint records architecture() as JSON (orbax's JsonSave): window=np.int64(8), taken since is_integer,
+  trained its steps and then failed at the first save with 'Object of type int64 is not JSON serializable'."""
+  arch = small(window=np.int64(8)).architecture()
+  assert json.dumps(arch) == json.dumps(small(window=8).architecture()) and type(arch["window"]) is int
+
+
 def test_a_window_that_covers_the_context_is_plain_causal_attention():
   cfg = small(window=24)
   assert [cfg.layer_window(i) for i in range(2)] == [None, None]
