@@ -129,6 +129,7 @@ class Call:
   shared_segments: bool = False  # one segment_ids array for queries and keys (not a pair)
   max_segments: int | None = None  # the caller's bound on documents per row (None: T)
   fp8_delayed: bool = False  # te-fp8's FP8 core scales from an amax history (fp8_amax_history given)
+  bias_dtype: np.dtype | None = None  # the bias's (None: no bias); it may differ from q/k/v's
 
   @property
   def has_lengths(self) -> bool:
@@ -338,7 +339,8 @@ def describe(q, k, v, opts: Options) -> Call:
               device=device_lib.of(q, k, v), q_lengths=opts.query_seq_lengths is not None,
               kv_lengths=opts.key_value_seq_lengths is not None, causal_alignment=opts.causal_alignment,
               segments=opts.has_segments, window=opts.window, shared_segments=opts.shared_segments,
-              max_segments=opts.max_segments, fp8_delayed=opts.fp8_amax_history is not None)
+              max_segments=opts.max_segments, fp8_delayed=opts.fp8_amax_history is not None,
+              bias_dtype=None if opts.bias is None else np.dtype(jax.dtypes.canonicalize_dtype(opts.bias.dtype)))
 
 
 def _check_segment_ids(name: str, x, shape: tuple[int, int], letters: str) -> None:

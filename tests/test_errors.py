@@ -171,6 +171,20 @@ def test_float8_inputs_run_on_naive_and_the_others_say_why(dtype, monkeypatch):
     assert "'xla'" not in about_dtype[0], about_dtype
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=lambda d: jnp.dtype(d).name)
+def test_a_float8_bias_runs_on_naive_and_xla_says_why(dtype):
+  """xla's float8 refusal read q/k/v's dtype only: a float8 bias beside bfloat16 q/k/v passed it, and attention()
+  (auto included, which chose xla) then raised jax's TypePromotionError from adding it to the float32 scores."""
+  x = jax.random.normal(jax.random.key(0), (2, 8, 4, 16)).astype(jnp.bfloat16)  # (B, T, N, H)
+  bias = (jax.random.normal(jax.random.key(1), (2, 4, 8, 8)) * 2).astype(dtype)  # (B, N, T, S)
+  with pytest.raises(attnlayers.BackendUnavailableError, match=f"for a {jnp.dtype(dtype).name} bias"):
+    attnlayers.attention(x, x, x, bias=bias, backend="xla")
+  plan = attnlayers.explain("auto", x, x, x, bias=bias)
+  assert plan.chosen == "naive", str(plan)
+  np.testing.assert_array_equal(attnlayers.attention(x, x, x, bias=bias),
+                                attnlayers.attention(x, x, x, bias=bias.astype(jnp.float32), backend="naive"))
+
+
 def test_dropout_needs_rng():
   with pytest.raises(ValueError, match="needs a dropout_rng"):
     attnlayers.attention(q, kv, kv, backend="naive", dropout_rate=0.1)

@@ -29,6 +29,10 @@ def unmet(call: Call) -> list[str]:
                    f"{call.dtype.name} (it promotes no float narrower than 16 bits implicitly), so it cannot run "
                    f"{call.dtype.name} q/k/v; 'naive' runs them (scores and softmax in float32), or cast the inputs "
                    "to bfloat16")
+  if call.bias_dtype is not None and _reasons.is_narrow_float(call.bias_dtype):  # added to those float32 scores
+    reasons.append(f"jax's XLA attention adds the bias to its float32 scores, a promotion jax refuses for a "
+                   f"{call.bias_dtype.name} bias, so it cannot take one; 'naive' takes it (it adds the bias in "
+                   "float32), or cast the bias to q's dtype")
   return reasons
 
 
