@@ -47,6 +47,8 @@ class GPTConfig:
     if self.kernels not in KERNELS:
       raise ValueError(f"kernels must be one of {KERNELS} (models.kernels); got {self.kernels!r}")
     self._check_window()
+    if self.window is not None:  # a numpy int (is_integer takes them) kept as the Python int that JSON records
+      object.__setattr__(self, "window", int(self.window))
 
   def _check_window(self) -> None:
     w, kinds = self.window, self.pattern.split(",")
@@ -102,8 +104,7 @@ class GPTConfig:
     window_pattern of None is "local", as checkpoints recorded the default before it was None."""
     fields = ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model", "mlp_ratio",
               "param_dtype", "tie_embeddings", "bias")
-    # int(): a numpy int window (is_integer takes them) is no JSON, and the checkpoint records this as JSON
-    window = {"window": int(self.window), "window_pattern": self.pattern} if self.window is not None else {}
+    window = {"window": self.window, "window_pattern": self.pattern} if self.window is not None else {}
     return {f: getattr(self, f) for f in fields} | {"n_kv_head": self.n_kv_head or self.n_head} | window
 
 

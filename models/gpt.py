@@ -15,7 +15,7 @@ one row; every block's attention lets a token see only its own document's tokens
 1, 2, ... per document, 0 = padding), and `pos` (B, T) indexes the position table, restarting
 at 0 where a document starts. Each document then computes what it computes alone in a row.
 Sliding windows: `config.window` (N tokens: the query and the N - 1 before it) on the layers
-`config.window_pattern` marks "local"; the layer applies it with or without a cache.
+`config.window_pattern` marks "local" (every layer where it is None); the layer applies it with or without a cache.
 
 Decoding: `init_cache(batch, max_length)` gives every block's attention a KV cache; then
 `model(tokens, decode=True, lengths=...)` runs T new tokens per row (a whole prompt chunk
