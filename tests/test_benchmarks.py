@@ -545,3 +545,41 @@ def test_the_wrapper_comparison_tells_custom_calls_apart_by_target_and_settings(
   assert list(wrapper.count_ops(ffi % 2)) == [
       "custom-call te_fused_attn_forward_ffi {attn_mask_type = 2 : i64, scale = 1.0 : f32}"]
   assert wrapper.count_ops(ffi % 2) != wrapper.count_ops(ffi % 0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_raw_te_call_takes_the_settings_attnlayers_hands_te(monkeypatch, causal):
+  """benchmarks.wrapper's raw TE call and attnlayers' te backend hand fused_attn the same settings (read from a
+  stand-in TE), the scale included to the last bit: hlo_ops compares the custom calls' settings (an FFI call's
+  scaling_factor is an f64 attribute), and the raw call's H ** -0.5 was an ulp above attnlayers' 1 / sqrt(H) at
+  H = 128, so tests/test_gpu_te.py's test_te_core_compiles_to_the_raw_kernels_program saw two custom calls where
+  the op counts agree. cudnn's raw call takes jax's default scale, 1 / np.sqrt(H), which is attnlayers' too."""
+  import types
+
+  from attnlayers import spec
+  from attnlayers.backends import te as te_backend
+  seen = []
+
+  def fused_attn(qkv, bias, lengths, seed, window_size=None, **kwargs):  # TE's default window_size: None
+    seen.append(kwargs | {"bias": bias, "window_size": window_size})
+    return qkv[0]
+  names = lambda *xs: types.SimpleNamespace(**{x: x for x in xs})
+  fake = types.ModuleType("transformer_engine.jax.attention")
+  fake.fused_attn = fused_attn
+  fake.SequenceDescriptor = types.SimpleNamespace(from_seqlens=lambda lengths: lengths)
+  fake.AttnMaskType = names("NO_MASK", "CAUSAL_MASK", "PADDING_MASK", "PADDING_CAUSAL_MASK")
+  fake.AttnBiasType = names("NO_BIAS", "POST_SCALE_BIAS")
+  fake.QKVLayout = names("BSHD_BSHD_BSHD", "THD_THD_THD")
+  fake.AttnSoftmaxType = names("VANILLA_SOFTMAX")
+  parent = types.ModuleType("transformer_engine.jax")
+  parent.attention = fake
+  monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+  monkeypatch.setitem(sys.modules, "transformer_engine.jax", parent)
+  monkeypatch.setitem(sys.modules, "transformer_engine.jax.attention", fake)
+  B, T, N, H = 2, 256, 4, 128  # H = 128, as the GPU test's (2, 1024, 4, 128): 128 ** -0.5 != 1 / sqrt(128)
+  q = jnp.zeros((B, T, N, H), jnp.bfloat16)
+  wrapper.te_raw(q, q, q, causal)
+  te_backend.run(q, q, q, spec.options(scale=None, is_causal=causal, head_dim=H))
+  raw, ours = seen
+  assert ours == raw, (ours, raw)
+  assert ours["scaling_factor"] == spec.options(scale=None, is_causal=False, head_dim=H).scale == 1.0 / math.sqrt(H)
