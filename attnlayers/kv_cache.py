@@ -5,9 +5,12 @@ past its end `lax.dynamic_update_slice` clamps the index, so it silently overwri
 slot. Here each sequence has its own position (`cache_index` of shape (*batch,)); a call
 writes T new tokens per row (`lengths[b]` of them real, right-padded) and its queries attend,
 in one attention call, to the row's cache up to and including themselves (bottom-right
-causal, see attnlayers.spec). Writing past the cache is an error where the positions are
-known (eager calls) and gives NaN rows under jit (attnlayers.attention makes rows whose
-key length exceeds the cache NaN); it never returns another position's values.
+causal, see attnlayers.spec). Writing past the cache, or `lengths` outside [0, T], is an
+error where the values are known (eager calls). Under jit nothing can raise, so such a row
+does what a refused call does, row by row: its output for the call is NaN (attnlayers.attention
+makes rows whose lengths fall outside [0, T] / [0, L] NaN) and its position stays where it was,
+so its cache holds what it held and the next call that fits decodes as if this one had not run.
+It never returns another position's values, and never clamps a count to make it fit.
 
 A cache that Flax's own layer made (its linen `init`, its nnx `init_cache`) has one scalar
 `cache_index` for the batch. The layers decode on it as it is: every row sits at that
@@ -25,7 +28,8 @@ import numpy as np
 
 
 def check_lengths(lengths, batch: tuple[int, ...], T: int):
-  """The real new tokens per row, (*batch,) int32: default T; concrete values must lie in [1, T]... or 0."""
+  """The real new tokens per row, (*batch,) int32: default T; concrete values must lie in [0, T] (traced ones
+  cannot be checked here: append keeps the position of a row whose count is out of range)."""
   if lengths is None:
     return jnp.full(batch, T, jnp.int32)
   if not hasattr(lengths, "shape") or not jnp.issubdtype(jnp.asarray(lengths).dtype, jnp.integer):
@@ -86,7 +90,9 @@ def append(cached_key, cached_value, index, key, value, lengths):
   new_k, new_v = (write(flat(c), flat(x), rows.reshape(-1)).reshape(c.shape)
                   for c, x in ((cached_key, key), (cached_value, value)))
   ends = rows + lengths  # (*batch,)
-  advanced = (index + T) if shared else ends  # () or (*batch,), as the index came
+  fits = (lengths >= 0) & (lengths <= T) & (ends <= max_length)  # (*batch,): all True where check_* could look
+  # a row that does not fit keeps its position (its attention row is NaN); its writes land past it, where no call reads
+  advanced = jnp.where(fits.all(), index + T, index) if shared else jnp.where(fits, ends, rows)  # () or (*batch,)
   return new_k, new_v, advanced.astype(index.dtype), cached_attention(lengths, ends)
 
 

@@ -41,7 +41,8 @@ Decoding (attnlayers.kv_cache says why it differs from Flax's cache):
 The cache holds num_kv_heads heads, `cache_index` one position per sequence. A call writes
 its tokens at each row's position and attends, in one attention call, to that row's cache
 up to and including them (bottom-right causal); T == 1 without lengths computes exactly what
-Flax's decode step computes. Decoding past `max_length` is an error (NaN rows under jit).
+Flax's decode step computes. Decoding past `max_length` (or lengths outside [0, T]) is an error;
+under jit such a row is NaN for the call and keeps its position (kv_cache says why).
 A cache from Flax's own init_cache (or its state, nnx.update'd in) keeps its scalar
 cache_index: every call advances all rows by T, so the state keeps its shapes under
 nnx.scan / lax.scan, and lengths= is refused (it needs a position per row: use our init_cache).

@@ -195,6 +195,28 @@ def test_decoding_past_the_cache_under_jit_gives_nan_rows(backend):
   reference.assert_close(out[0, :2], full[0, 4:], jnp.float32, what=f"{backend} row 0 beside an overflowing row")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_refused_under_jit_is_nan_once_and_keeps_its_cache(backend):
+  """Under nnx.jit a row with lengths outside [0, T] (7 or -2 of T = 2), or past the cache's end (5 at 4 of 8), cannot
+  raise:
+  its output for that call is NaN and its position stays put, so its next call decodes as if the refused one had
+  not run (before, its cache_index moved by the bad count, to 10 or backwards, and later calls read slots never
+  written or overwrote real ones, with finite outputs)."""
+  decode = nnx.jit(lambda m, x, lengths: m(x, decode=True, lengths=lengths))
+  m = layer(backend, 2)
+  x = tokens(2, 8)
+  full = m(x, decode=False, is_causal=True)
+  m.init_cache((2, 8, D))
+  decode(m, x[:, :4], jnp.array([4, 4], jnp.int32))
+  for T, fine, bad in ((2, 2, 7), (2, 2, -2), (5, 1, 5)):  # 5 real tokens fit T = 5 but not the 4 free slots
+    out = np.asarray(decode(m, tokens(2, T, seed=9), jnp.array([fine, bad], jnp.int32)))
+    assert np.isnan(out[1]).all() and np.isfinite(out[0]).all(), f"T={T}, lengths [{fine}, {bad}]"
+    np.testing.assert_array_equal(m.cache_index[...], [4 + fine, 4], err_msg=f"T={T}, lengths [{fine}, {bad}]")
+    m.cache_index[...] = jnp.array([4, 4], jnp.int32)  # row 0 back to 4 too: both go on from the prefill
+  out = decode(m, x[:, 4:], jnp.array([4, 4], jnp.int32))
+  reference.assert_close(out, full[:, 4:], jnp.float32, what=f"{backend} after three refused rows")
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_a_cache_flax_made_decodes_and_keeps_its_scalar_index(jit):
   """A cache from Flax's own init_cache (or its state nnx.update'd in) has one scalar cache_index for the batch.

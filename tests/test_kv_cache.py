@@ -1,6 +1,7 @@
 """attnlayers.kv_cache: the shapes of cache_index it takes, and its overflow error: every row that would pass
 the cache's end, as plain ints, with its position and what it adds, and the cache length that would hold them."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,3 +44,11 @@ def test_an_index_neither_scalar_nor_one_per_row_is_refused():
   cache, new = jnp.zeros((2, 6, 1, 8)), jnp.zeros((2, 1, 1, 8))
   with pytest.raises(ValueError, match=r"cache_index must have shape \(2,\) .* or \(\) .*got shape \(1,\)"):
     kv_cache.append(cache, cache, jnp.zeros((1,), jnp.int32), new, new, None)
+
+
+def test_under_jit_a_shared_index_that_would_pass_the_end_stays_put():
+  """Flax's cache (one scalar cache_index) at 5 of 6, 2 more tokens under jit: nothing can raise, so the index stays
+  at 5 (as an eager refusal leaves it; the attention rows are NaN) rather than moving past the end for good."""
+  cache, new = jnp.zeros((2, 6, 1, 8)), jnp.ones((2, 2, 1, 8))
+  index = jax.jit(lambda i: kv_cache.append(cache, cache, i, new, new, None)[2])(jnp.array(5, jnp.int32))
+  assert index.shape == () and int(index) == 5, index
