@@ -34,7 +34,7 @@ documents a row holds; te runs B * max_segments sequences) and `sliding_window=`
 
 Decoding (attnlayers.kv_cache says why it differs from Flax's cache):
 
-  layer.init_cache((*batch, max_length, in_features))   # dtype: the compute dtype by default
+  layer.init_cache((*batch, max_length, in_features))   # dtype: the layer's dtype (None: float32, as Flax)
   y = layer(x, decode=True)                  # x (*batch, T, in_features): T >= 1 new tokens per row
   y = layer(x, decode=True, lengths=lens)    # lens (*batch,): real tokens among the T (right padding)
 
@@ -117,11 +117,13 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     """Flax's init_cache with the compute dtype as default and one position per sequence.
 
     input_shape: (*batch, max_length, in_features). cached_key / cached_value: (*batch, max_length,
-    num_kv_heads, head_dim) in `dtype` (default: the layer's dtype, else its param_dtype);
+    num_kv_heads, head_dim) in `dtype` (default: the layer's dtype; with dtype=None, float32, Flax's default:
+    the keys then take the inputs' dtype promoted with param_dtype, float32 for float32 inputs whatever the
+    params, so param_dtype alone would round them);
     cache_index: int32 (*batch,); with a custom attention_fn, which decodes through Flax's own __call__,
     Flax's scalar index.
     """
-    super().init_cache(input_shape, self.dtype or self.param_dtype if dtype is None else dtype)
+    super().init_cache(input_shape, (self.dtype or jnp.float32) if dtype is None else dtype)
     if isinstance(self.attention_fn, BackendAttention):  # a custom attention_fn decodes on Flax's cache, as is
       self.cache_index = nnx.Cache(jnp.zeros(tuple(input_shape[:-2]), jnp.int32))
 

@@ -128,7 +128,7 @@ def test_ragged_batch_equals_each_row_decoded_alone(backend, heads):
 
 @pytest.mark.parametrize("dtype, param_dtype, want", [(None, jnp.float32, jnp.float32),
                                                       (jnp.bfloat16, jnp.float32, jnp.bfloat16),
-                                                      (None, jnp.bfloat16, jnp.bfloat16)],
+                                                      (None, jnp.bfloat16, jnp.float32)],
                          ids=["float32", "bf16-compute", "bf16-params"])
 def test_cache_holds_kv_heads_in_the_compute_dtype(dtype, param_dtype, want):
   m = MultiHeadAttention(N, D, num_kv_heads=2, decode=False, backend="xla", dtype=dtype, param_dtype=param_dtype,
@@ -144,6 +144,21 @@ def test_cache_holds_kv_heads_in_the_compute_dtype(dtype, param_dtype, want):
   np.testing.assert_array_equal(m.cache_index[...], np.full((3, 2), 4))
   m.init_cache((3, 2, 16, D), dtype=jnp.float32)  # an explicit dtype wins
   assert m.cached_key[...].dtype == m.cached_value[...].dtype == jnp.float32
+
+
+def test_bf16_params_without_a_dtype_cache_float32_as_flax_does():
+  """dtype=None, param_dtype=bfloat16: float32 inputs give float32 keys, and Flax's init_cache holds them in
+  float32; the cache was bfloat16 (the param_dtype), so it rounded every key and value Flax keeps."""
+  ours = layer("xla", N, param_dtype=jnp.bfloat16)
+  flax = nnx.MultiHeadAttention(N, D, decode=False, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(7))
+  nnx.update(flax, nnx.state(ours, nnx.Param))
+  x = tokens(2, 4)
+  ours.init_cache(x.shape)
+  flax.init_cache(x.shape)
+  for t in range(3):
+    np.testing.assert_array_equal(ours(x[:, t:t + 1], decode=True), flax(x[:, t:t + 1], decode=True), f"step {t}")
+  for name in ("cached_key", "cached_value"):
+    np.testing.assert_array_equal(getattr(ours, name)[...], getattr(flax, name)[...], err_msg=name)
 
 
 def _names(message: str, *numbers) -> bool:
