@@ -209,8 +209,6 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                          "share (*batch, T): T new tokens per row")
       key, value, index, attend = kv_cache.append(
           self.cached_key[...], self.cached_value[...], self.cache_index[...], key, value, lengths)
-      # the index keeps its shape: (*batch,), or the scalar of a cache Flax's own init_cache made
-      self.cached_key[...], self.cached_value[...], self.cache_index[...] = key, value, index
     dropout_rng = None
     if self.dropout_rate > 0.0:
       deterministic = self.deterministic if deterministic is None else deterministic
@@ -227,7 +225,11 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         query, key, value, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
         broadcast_dropout=self.broadcast_dropout, deterministic=dropout_rng is None, dtype=self.dtype,
         precision=self.precision, module=self if sow_weights else None, **attend, **extra)
-    return self.out(x, out_sharding=out_sharding)
+    out = self.out(x, out_sharding=out_sharding)
+    if cache:  # written last, so a call that raises anywhere above leaves the cache as it was
+      # the index keeps its shape: (*batch,), or the scalar of a cache Flax's own init_cache made
+      self.cached_key[...], self.cached_value[...], self.cache_index[...] = key, value, index
+    return out
 
   def _fused_qkv(self, x):
     """q (*batch, T, N, H), k and v (*batch, T, K, H) from one FP8 GEMM of x (*batch, T, D) with the three

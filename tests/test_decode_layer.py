@@ -182,6 +182,21 @@ def test_decoding_past_the_cache_raises_and_leaves_it_unchanged(backend):
     np.testing.assert_array_equal(getattr(m, name)[...], value, err_msg=f"{name} changed by a refused call")
 
 
+def test_a_call_refused_after_the_projections_leaves_the_cache_unchanged():
+  """Refusals raised once the new keys are known (dropout with no `deterministic`, a mask that does not fit the
+  cache's (B, N, T, S) = (2, 4, 1, 6)) came after the cache write: the refused call had advanced cache_index and
+  written its keys."""
+  for kwargs, call in (({"dropout_rate": 0.1}, {}), ({}, {"mask": jnp.ones((2, 1, 1, 5), bool)})):
+    m = layer("xla", 2, **kwargs)
+    m.init_cache((2, 6, D))
+    m(tokens(2, 2), decode=True, **({"deterministic": True} if kwargs else {}))
+    before = {name: np.asarray(getattr(m, name)[...]) for name in ("cached_key", "cached_value", "cache_index")}
+    with pytest.raises(ValueError):
+      m(tokens(2, 1, seed=2), decode=True, **call)
+    for name, value in before.items():
+      np.testing.assert_array_equal(getattr(m, name)[...], value, err_msg=f"{name} changed by a refused call {call}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padding_past_the_cache_end_is_not_an_overflow(backend):
   """Cache of 6 at position 4, a chunk of 3 with 2 real tokens: the padding slot falls off the end, harmlessly."""
