@@ -44,6 +44,14 @@ def check_lengths(lengths, batch: tuple[int, ...], T: int):
   return lengths.astype(jnp.int32)
 
 
+def check_dtype(dtype, source: str) -> None:
+  """Raises unless `dtype` can hold keys and values (floating, or complex as complex attention needs): an integer
+  or bool cache would truncate every projection silently. `source` says where the dtype came from."""
+  if not jnp.issubdtype(jnp.dtype(dtype), jnp.inexact):
+    raise ValueError(f"the KV cache holds keys and values, which need a floating dtype; got {jnp.dtype(dtype)} "
+                     f"({source}). Give a float dtype, e.g. jnp.bfloat16 or jnp.float32")
+
+
 SHOWN_ROWS = 8  # rows an overflow error lists; the rest it counts
 
 
@@ -81,6 +89,7 @@ def append(cached_key, cached_value, index, key, value, lengths):
     raise ValueError(f"Autoregressive cache shape error: the cache is (*batch, max_length, K, H) = "
                      f"{tuple(cached_key.shape)}, so this call's keys and values must be "
                      f"{(*batch, T, num_kv_heads, head_dim)}; got {tuple(key.shape)} and {tuple(value.shape)}")
+  check_dtype(cached_key.dtype, "the cache's cached_key")
   index = jnp.asarray(index)
   shared = check_index(index, batch, lengths)
   lengths = check_lengths(lengths, batch, T)  # (*batch,)

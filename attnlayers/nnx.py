@@ -119,11 +119,14 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     input_shape: (*batch, max_length, in_features). cached_key / cached_value: (*batch, max_length,
     num_kv_heads, head_dim) in `dtype` (default: the layer's dtype; with dtype=None, float32, Flax's default:
     the keys then take the inputs' dtype promoted with param_dtype, float32 for float32 inputs whatever the
-    params, so param_dtype alone would round them);
+    params, so param_dtype alone would round them; a dtype that is not floating or complex is refused);
     cache_index: int32 (*batch,); with a custom attention_fn, which decodes through Flax's own __call__,
     Flax's scalar index.
     """
-    super().init_cache(input_shape, (self.dtype or jnp.float32) if dtype is None else dtype)
+    source = "init_cache's dtype=" if dtype is not None else "the layer's dtype=, init_cache's default"
+    dtype = (self.dtype or jnp.float32) if dtype is None else dtype
+    kv_cache.check_dtype(dtype, source)
+    super().init_cache(input_shape, dtype)
     if isinstance(self.attention_fn, BackendAttention):  # a custom attention_fn decodes on Flax's cache, as is
       self.cache_index = nnx.Cache(jnp.zeros(tuple(input_shape[:-2]), jnp.int32))
 

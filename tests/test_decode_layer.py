@@ -146,6 +146,15 @@ def test_cache_holds_kv_heads_in_the_compute_dtype(dtype, param_dtype, want):
   assert m.cached_key[...].dtype == m.cached_value[...].dtype == jnp.float32
 
 
+def test_init_cache_refuses_a_dtype_that_is_not_floating():
+  """int8 / int32 / bool caches were made, and truncated every key and value written to them."""
+  for dtype in (jnp.int8, jnp.int32, jnp.bool_):
+    with pytest.raises(ValueError, match=rf"got {jnp.dtype(dtype)} \(init_cache's dtype=\)\. Give a float dtype"):
+      layer("xla", 2).init_cache((2, 6, D), dtype=dtype)
+  with pytest.raises(ValueError, match=r"got int32 \(the layer's dtype=, init_cache's default\)"):
+    layer("xla", 2, dtype=jnp.int32).init_cache((2, 6, D))
+
+
 def test_bf16_params_without_a_dtype_cache_float32_as_flax_does():
   """dtype=None, param_dtype=bfloat16: float32 inputs give float32 keys, and Flax's init_cache holds them in
   float32; the cache was bfloat16 (the param_dtype), so it rounded every key and value Flax keeps."""

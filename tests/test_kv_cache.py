@@ -52,3 +52,15 @@ def test_under_jit_a_shared_index_that_would_pass_the_end_stays_put():
   cache, new = jnp.zeros((2, 6, 1, 8)), jnp.ones((2, 2, 1, 8))
   index = jax.jit(lambda i: kv_cache.append(cache, cache, i, new, new, None)[2])(jnp.array(5, jnp.int32))
   assert index.shape == () and int(index) == 5, index
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int32, jnp.bool_], ids=["int8", "int32", "bool"])
+def test_a_cache_that_is_not_floating_is_refused(dtype):
+  """An integer or bool cache (given to the layer's state, as linen's variables or nnx.update can) truncated every
+  key and value it stored, without a word; float and complex caches decode."""
+  cache, new = jnp.zeros((2, 6, 1, 8), dtype), jnp.ones((2, 1, 1, 8))
+  with pytest.raises(ValueError, match=rf"need a floating dtype; got {jnp.dtype(dtype)} \(the cache's cached_key\)"
+                                       r"\. Give a float dtype, e.g\. jnp\.bfloat16"):
+    kv_cache.append(cache, cache, jnp.zeros((2,), jnp.int32), new, new, None)
+  for ok in (jnp.bfloat16, jnp.complex64):
+    kv_cache.append(cache.astype(ok), cache.astype(ok), jnp.zeros((2,), jnp.int32), new, new, None)
