@@ -90,6 +90,9 @@ def append(cached_key, cached_value, index, key, value, lengths):
                      f"{tuple(cached_key.shape)}, so this call's keys and values must be "
                      f"{(*batch, T, num_kv_heads, head_dim)}; got {tuple(key.shape)} and {tuple(value.shape)}")
   check_dtype(cached_key.dtype, "the cache's cached_key")
+  if T == 0:  # attention over no queries is refused everywhere else (attnlayers.attention, the layers' forward)
+    raise ValueError(f"a decode call needs T >= 1 new tokens per row; got keys of shape {tuple(key.shape)} (T = 0). "
+                     "To leave a row where it is, give it lengths=0 in a call with T >= 1")
   index = jnp.asarray(index)
   shared = check_index(index, batch, lengths)
   lengths = check_lengths(lengths, batch, T)  # (*batch,)

@@ -146,6 +146,15 @@ def test_cache_holds_kv_heads_in_the_compute_dtype(dtype, param_dtype, want):
   assert m.cached_key[...].dtype == m.cached_value[...].dtype == jnp.float32
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_decode_call_with_no_tokens_is_refused_and_writes_nothing(backend):
+  m = layer(backend, 2)
+  m.init_cache((2, 6, D))
+  with pytest.raises(ValueError, match=r"a decode call needs T >= 1 new tokens per row"):
+    m(tokens(2, 0), decode=True)
+  np.testing.assert_array_equal(m.cache_index[...], [0, 0])
+
+
 def test_init_cache_refuses_a_dtype_that_is_not_floating():
   """int8 / int32 / bool caches were made, and truncated every key and value written to them."""
   for dtype in (jnp.int8, jnp.int32, jnp.bool_):

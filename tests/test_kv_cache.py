@@ -64,3 +64,12 @@ def test_a_cache_that_is_not_floating_is_refused(dtype):
     kv_cache.append(cache, cache, jnp.zeros((2,), jnp.int32), new, new, None)
   for ok in (jnp.bfloat16, jnp.complex64):
     kv_cache.append(cache.astype(ok), cache.astype(ok), jnp.zeros((2,), jnp.int32), new, new, None)
+
+
+def test_a_call_with_no_new_tokens_is_refused_by_name():
+  """T = 0 raised ZeroDivisionError ("integer modulo by zero", reshaping the empty keys); attention over no queries
+  is refused elsewhere too, and lengths=0 is the way to leave a row unchanged."""
+  cache, new = jnp.zeros((2, 6, 1, 8)), jnp.zeros((2, 0, 1, 8))
+  with pytest.raises(ValueError, match=r"T >= 1 new tokens per row; got keys of shape \(2, 0, 1, 8\) \(T = 0\)\. "
+                                       r"To leave a row where it is, give it lengths=0"):
+    kv_cache.append(cache, cache, jnp.zeros((2,), jnp.int32), new, new, None)
