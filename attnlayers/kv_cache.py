@@ -53,11 +53,14 @@ def check_dtype(dtype, source: str) -> None:
 
 
 SHOWN_ROWS = 8  # rows an overflow error lists; the rest it counts
+NNX_SIZE = "init_cache's max_length"  # where a layer's cache gets its length, as an overflow error names it
+LINEN_SIZE = "the max_length of the (*batch, max_length, features) input that init shapes the cache with"
 
 
-def check_room(index, lengths, max_length: int) -> None:
+def check_room(index, lengths, max_length: int, size: str = NNX_SIZE) -> None:
   """Raises where the positions are known and a row's real tokens would pass the cache's end, naming every such row
-  (by its index in the batch dims), its position, what it adds, and the cache length that would hold them all."""
+  (by its index in the batch dims), its position, what it adds, and the cache length that would hold them all;
+  `size` says where that length is given (NNX_SIZE, LINEN_SIZE)."""
   if isinstance(index, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
     return  # under jit: the attention call makes those rows NaN
   index, lengths = np.asarray(index), np.asarray(lengths)
@@ -71,15 +74,16 @@ def check_room(index, lengths, max_length: int) -> None:
           f"(to {int(end[r])})" for i, r in enumerate(over[:SHOWN_ROWS])]
   more = f" and {len(over) - SHOWN_ROWS} more rows" if len(over) > SHOWN_ROWS else ""
   raise ValueError(f"decoding past the KV cache: {', '.join(rows)}{more}; the cache holds {max_length} positions per "
-                   f"row. Give it at least {int(end.max())} (init_cache's max_length) or stop earlier.")
+                   f"row. Give it at least {int(end.max())} ({size}) or stop earlier.")
 
 
-def append(cached_key, cached_value, index, key, value, lengths):
+def append(cached_key, cached_value, index, key, value, lengths, size: str = NNX_SIZE):
   """The cache after this call's tokens, and the attention arguments that read it (nnx and linen share this).
 
   cached_key / cached_value: (*batch, L, K, H); index: each row's next position, (*batch,), or a
   scalar shared by the rows (Flax's cache); key / value: (*batch, T, K, H), the call's new tokens;
-  lengths: (*batch,) how many of the T are real (None: all; refused with a shared scalar index).
+  lengths: (*batch,) how many of the T are real (None: all; refused with a shared scalar index); size: where the
+  cache's length is set, for the overflow error (check_room).
   Returns (keys (*batch, L, K, H), values, the index advanced, in its own shape and dtype, attention
   keyword arguments: bottom-right causal, the rows' query and key lengths).
   """
@@ -97,7 +101,7 @@ def append(cached_key, cached_value, index, key, value, lengths):
   shared = check_index(index, batch, lengths)
   lengths = check_lengths(lengths, batch, T)  # (*batch,)
   rows = jnp.broadcast_to(index, batch).astype(jnp.int32)  # (*batch,)
-  check_room(rows, lengths, max_length)
+  check_room(rows, lengths, max_length, size)
   flat = lambda x: x.reshape((-1, *x.shape[len(batch):]))  # (*batch, ...) -> (B, ...)
   new_k, new_v = (write(flat(c), flat(x), rows.reshape(-1)).reshape(c.shape)
                   for c, x in ((cached_key, key), (cached_value, value)))

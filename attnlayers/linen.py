@@ -215,7 +215,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       raise ValueError(f"the queries ({tuple(query.shape)}) and keys ({tuple(key.shape)}) of a decode call must "
                        "share (*batch, T): T new tokens per row")
     cached_key.value, cached_value.value, cache_index.value, attend = kv_cache.append(
-        cached_key.value, cached_value.value, cache_index.value, key, value, lengths)
+        cached_key.value, cached_value.value, cache_index.value, key, value, lengths, kv_cache.LINEN_SIZE)
     return cached_key.value, cached_value.value, attend
 
   def _update_cache(self, key, value, mask):
@@ -235,9 +235,11 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     index = cache_index.value
     if index.ndim:  # ours: the layer's own cache (its init without attention_fn), (*batch,): a position per row
       cached_key.value, cached_value.value, cache_index.value, _ = kv_cache.append(
-          cached_key.value, cached_value.value, index, key, value, None)  # ours
+          cached_key.value, cached_value.value, index, key, value, None, kv_cache.LINEN_SIZE)  # ours
       seen = (jnp.arange(max_length) < cache_index.value[..., None])[..., None, None, :]  # ours: (*batch, 1, 1, L)
       return cached_key.value, cached_value.value, seen if mask is None else nn.combine_masks(mask, seen)  # ours
+    kv_cache.check_room(jnp.broadcast_to(index, batch_dims), jnp.ones(batch_dims, jnp.int32), max_length,
+                        kv_cache.LINEN_SIZE)  # ours: Flax's write clamps past the end, over the last slot
     zero = jnp.array(0, dtype=lax.dtype(index.dtype))
     at = (zero,) * len(batch_dims) + (index, zero, zero)
     cached_key.value = lax.dynamic_update_slice(cached_key.value, key, at)

@@ -346,6 +346,19 @@ def test_custom_attention_fn_decodes_on_flaxs_cache_as_flax_does():
     np.testing.assert_array_equal(ours(x[:, t:t + 1]), flax(x[:, t:t + 1]))
 
 
+def test_custom_attention_fn_past_flaxs_cache_raises_as_the_backends_do():
+  """Flax's __call__ writes with dynamic_update_slice, which clamps an index past the end: a third token into a cache
+  of 2 overwrote the last slot without a word. Eagerly it now raises in the backends' words."""
+  m = MultiHeadAttention(N, D, decode=True, attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0))
+  m.init_cache((2, 2, D))
+  m(tokens(2, 1))
+  m(tokens(2, 1))
+  with pytest.raises(ValueError, match=r"row 0 at position 2 adds 1 token \(to 3\).*holds 2 positions per row\. "
+                                       r"Give it at least 3 \(init_cache's max_length\)"):
+    m(tokens(2, 1))
+  assert int(m.cache_index[...]) == 2
+
+
 def test_custom_attention_fn_refuses_a_per_row_cache():
   """A cache with one position per row (the backend path's init_cache, nnx.update'd in) cannot decode through
   Flax's __call__, whose one index for the batch it writes with: the error says so and what works, where jax raised

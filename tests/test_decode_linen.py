@@ -100,12 +100,29 @@ def test_ragged_batch_equals_each_row_decoded_alone(backend, heads):
     reference.assert_close(out1[b:b + 1], want1, jnp.float32, what=f"{backend} {heads} row {b} step")
 
 
+LINEN_SIZE = r"\(the max_length of the \(\*batch, max_length, features\) input that init shapes the cache with\)"
+
+
 def test_decoding_past_the_cache_raises():
+  """nnx's words, with where a linen cache's length is set: they named init_cache, which linen has not."""
   params = params_of(2)
   m = layer("xla", 2, decode=True)
   _, cache = step(m, params, new_cache(m, 2, 6), tokens(2, 4))
-  with pytest.raises(ValueError, match=r"past the KV cache.*position 4.*adds 3.*holds 6"):
+  with pytest.raises(ValueError, match=r"past the KV cache: row 0 at position 4 adds 3 tokens \(to 7\).*holds 6 "
+                                       rf"positions per row\. Give it at least 7 {LINEN_SIZE} or stop earlier\."):
     step(m, params, cache, tokens(2, 3))
+
+
+def test_a_custom_attention_fn_past_flaxs_cache_raises_as_the_backends_do():
+  """With a custom attention_fn the layer writes Flax's way, whose dynamic_update_slice clamps an index past the
+  end: a third token into a cache of 2 overwrote the last slot without a word. Eagerly it now raises."""
+  m = al.MultiHeadDotProductAttention(num_heads=N, decode=True, attention_fn=nn.dot_product_attention)
+  params, cache = m.init(jax.random.key(0), tokens(2, 2)).values()
+  for t in range(2):
+    _, cache = step(m, params, cache, tokens(2, 1, seed=t))
+  with pytest.raises(ValueError, match=rf"row 0 at position 2 adds 1 token \(to 3\).*holds 2 positions per row\. "
+                                       rf"Give it at least 3 {LINEN_SIZE}"):
+    step(m, params, cache, tokens(2, 1))
 
 
 def test_refused_calls():
