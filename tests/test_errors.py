@@ -188,3 +188,23 @@ def test_a_float8_bias_runs_on_naive_and_xla_says_why(dtype):
 def test_dropout_needs_rng():
   with pytest.raises(ValueError, match="needs a dropout_rng"):
     attnlayers.attention(q, kv, kv, backend="naive", dropout_rate=0.1)
+
+
+@on_cpu
+def test_float16_on_cpu_runs_on_naive_and_xla_says_why():
+  """jax's XLA attention asks XLA for the F16_F16_F32 dot algorithm for float16, which XLA's CPU backend does not
+  run: xla passed explain() on CPU float16, and under jit attention() (auto included, which chose xla) raised jax's
+  'The precision 'F16_F16_F32' is not supported by dot_general on CPU'; `python -m attnlayers --dtype float16
+  --show-kernels` crashed on it."""
+  x = jax.random.normal(jax.random.key(0), (2, 8, 4, 16)).astype(jnp.float16)
+  with pytest.raises(attnlayers.BackendUnavailableError, match="F16_F16_F32") as err:
+    attnlayers.attention(x, x, x, backend="xla")
+  assert "backends that can run this call here: naive" in str(err.value)
+  plan = attnlayers.explain("auto", x, x, x, is_causal=True)
+  assert plan.chosen == "naive", str(plan)
+  out = jax.jit(lambda q, k, v: attnlayers.attention(q, k, v, is_causal=True))(x, x, x)
+  grads = jax.jit(jax.grad(lambda q: jnp.sum(attnlayers.attention(q, x, x, is_causal=True).astype(jnp.float32))))(x)
+  np.testing.assert_array_equal(out, attnlayers.attention(x, x, x, is_causal=True, backend="naive"))
+  assert out.dtype == jnp.float16 and bool(jnp.isfinite(grads).all())
+  layer = MultiHeadAttention(4, 64, dtype=jnp.float16, is_causal=True, decode=False, rngs=nnx.Rngs(0))
+  assert nnx.jit(lambda m, y: m(y))(layer, jnp.ones((2, 8, 64), jnp.float16)).dtype == jnp.float16

@@ -1,6 +1,7 @@
 """XLA's own attention: `jax.nn.dot_product_attention(implementation="xla")`.
 
-Runs on every platform for float16, bfloat16, float32 and float64 q/k/v; not for float8/float4
+Runs on every platform for bfloat16, float32 and float64 q/k/v, and off the CPU for float16 (jax asks XLA for the
+F16_F16_F32 dot algorithm, which XLA's CPU backend refuses under jit); not for float8/float4
 ones, which jax will not promote to its float32 scores ('naive' runs those), nor complex ones. On a
 GPU, XLA fuses what it can but still builds the (B, N, T, S) scores in memory.
 """
@@ -8,12 +9,13 @@ GPU, XLA fuses what it can but still builds the (B, N, T, S) scores in memory.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 from attnlayers.backends import _masks, _reasons
 from attnlayers.spec import Call, Options
 
 NAME = "xla"
-SUMMARY = "jax.nn.dot_product_attention(implementation='xla'); any platform; float16, bfloat16, float32, float64"
+SUMMARY = "jax.nn.dot_product_attention(implementation='xla'); any platform; bfloat16, float32, float64, float16 off the CPU"
 MIN_CC = None  # runs on any device jax runs on
 
 
@@ -29,6 +31,11 @@ def unmet(call: Call) -> list[str]:
                    f"{call.dtype.name} (it promotes no float narrower than 16 bits implicitly), so it cannot run "
                    f"{call.dtype.name} q/k/v; 'naive' runs them (scores and softmax in float32), or cast the inputs "
                    "to bfloat16")
+  if call.dtype == np.float16 and call.device.platform == "cpu":  # jax asks for this dot algorithm for float16
+    reasons.append("jax's XLA attention computes float16 scores with the dot algorithm F16_F16_F32, which XLA's CPU "
+                   "backend does not run (under jit jax raises 'The precision 'F16_F16_F32' is not supported by "
+                   "dot_general on CPU'), so it cannot run float16 q/k/v on a CPU; 'naive' runs them (scores and "
+                   "softmax in float32), or cast the inputs to bfloat16 or float32")
   if call.bias_dtype is not None and _reasons.is_narrow_float(call.bias_dtype):  # added to those float32 scores
     reasons.append(f"jax's XLA attention adds the bias to its float32 scores, a promotion jax refuses for a "
                    f"{call.bias_dtype.name} bias, so it cannot take one; 'naive' takes it (it adds the bias in "
