@@ -178,6 +178,15 @@ BAD = {
     "seed-past-32-bits": (lambda t, d: ["--seed", str(2**32)], "argument --seed: must be below 2**32 (4294967296), "
                           "got 4294967296: jax's random key keeps 32 bits"),  # it sampled what --seed 0 samples
     "batch-0": (lambda t, d: ["--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    # greedy decoding takes neither: both were accepted and silently ignored
+    "greedy-top-k": (lambda t, d: ["--temperature", "0", "--top-k", "5"],
+                     "--top-k applies to sampling, and --temperature 0 decodes greedily"),
+    "greedy-seed": (lambda t, d: ["--temperature", "0", "--seed", "3"],
+                    "--seed applies to sampling, and --temperature 0 decodes greedily"),
+    "greedy-top-k-seed": (lambda t, d: ["--temperature", "0", "--top-k", "5", "--seed", "0"],
+                          "--top-k and --seed apply to sampling, and --temperature 0 decodes greedily (the most "
+                          "likely token: always among the top k, and nothing random): leave out --top-k and --seed, "
+                          "or give a --temperature above 0"),
     "no-latest-run": (lambda t, d: [], "no --ckpt-dir given and no runs/latest here"),
 }
 if jax.default_backend() == "cpu":  # a GPU with TransformerEngine may run it

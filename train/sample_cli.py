@@ -161,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
                                             "as the context has room for after the prompt")
   p.add_argument("--temperature", type=_temperature, default=0.8, help="0: greedy (the most likely token)")
   p.add_argument("--top-k", type=one, help="draw from the k most likely tokens only; default: all")
-  p.add_argument("--seed", type=_seed, default=0, help=f"random stream of the samples, 0 .. {SEEDS - 1}")
+  p.add_argument("--seed", type=_seed, help=f"random stream of the samples, 0 .. {SEEDS - 1}; default: 0")
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto", help="attention backend")
   p.add_argument("--batch", type=one, default=1, help="samples of the prompt, drawn together (one batch)")
   return p
@@ -217,8 +217,24 @@ def run(a) -> None:
         f"attention {a.attn} ran on: {gen.attention}")
 
 
+def _greedy_ignores(a) -> list[str]:
+  """The flags that --temperature 0 would ignore: greedy decoding takes the most likely token, which is always among
+  the top k and draws nothing from the random stream."""
+  if a.temperature != 0:
+    return []
+  return [flag for flag, value in (("--top-k", a.top_k), ("--seed", a.seed)) if value is not None]
+
+
 def main(argv=None) -> None:
-  a = parser().parse_args(argv)
+  p = parser()
+  a = p.parse_args(argv)
+  ignored = _greedy_ignores(a)
+  if ignored:  # refused rather than ignored, as python -m train refuses --ckpt-every with --no-ckpt
+    p.error(f"{' and '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} to sampling, and --temperature 0 "
+            f"decodes greedily (the most likely token: always among the top k, and nothing random): leave out "
+            f"{' and '.join(ignored)}, or give a --temperature above 0")
+  if a.seed is None:
+    a.seed = 0
   try:
     run(a)
   except (SampleError, ValueError, attnlayers.BackendUnavailableError) as e:  # FP8Unavailable is one too
