@@ -77,6 +77,13 @@ def check_room(index, lengths, max_length: int, size: str = NNX_SIZE) -> None:
                    f"row. Give it at least {int(end.max())} ({size}) or stop earlier.")
 
 
+def check_flax_room(index, batch: tuple[int, ...], max_length: int, size: str = NNX_SIZE) -> None:
+  """check_room for a cache in Flax's layout, written one token per call at one scalar `index` shared by the
+  `batch` rows (a custom attention_fn's path on either layer): Flax's write clamps an index past the end and
+  overwrites the last slot, so where the index is known this raises first."""
+  check_room(jnp.broadcast_to(index, batch), jnp.ones(batch, jnp.int32), max_length, size)
+
+
 def append(cached_key, cached_value, index, key, value, lengths, size: str = NNX_SIZE):
   """The cache after this call's tokens, and the attention arguments that read it (nnx and linen share this).
 

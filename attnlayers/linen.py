@@ -238,8 +238,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
           cached_key.value, cached_value.value, index, key, value, None, kv_cache.LINEN_SIZE)  # ours
       seen = (jnp.arange(max_length) < cache_index.value[..., None])[..., None, None, :]  # ours: (*batch, 1, 1, L)
       return cached_key.value, cached_value.value, seen if mask is None else nn.combine_masks(mask, seen)  # ours
-    kv_cache.check_room(jnp.broadcast_to(index, batch_dims), jnp.ones(batch_dims, jnp.int32), max_length,
-                        kv_cache.LINEN_SIZE)  # ours: Flax's write clamps past the end, over the last slot
+    kv_cache.check_flax_room(index, tuple(batch_dims), max_length, kv_cache.LINEN_SIZE)  # ours: before Flax's write
     zero = jnp.array(0, dtype=lax.dtype(index.dtype))
     at = (zero,) * len(batch_dims) + (index, zero, zero)
     cached_key.value = lax.dynamic_update_slice(cached_key.value, key, at)

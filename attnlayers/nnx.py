@@ -163,9 +163,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                            "this layer's init_cache (with a custom attention_fn it makes Flax's layout), or decode "
                            "without attention_fn")
         if self.cache_index is not None and self.cached_key is not None:  # Flax's write clamps past the end
-          batch = tuple(self.cached_key.shape[:-3])
-          kv_cache.check_room(jnp.broadcast_to(self.cache_index[...], batch), jnp.ones(batch, jnp.int32),
-                              self.cached_key.shape[-3])
+          *batch, max_length = self.cached_key.shape[:-2]
+          kv_cache.check_flax_room(self.cache_index[...], tuple(batch), max_length)
         return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=False, decode=True, **kwargs)
       if segment_ids is not None:
         raise ValueError("segment_ids= with a KV cache (decode=True) is not supported: the cache keeps no segment "
