@@ -57,6 +57,15 @@ NNX_SIZE = "init_cache's max_length"  # where a layer's cache gets its length, a
 LINEN_SIZE = "the max_length of the (*batch, max_length, features) input that init shapes the cache with"
 
 
+def check_length(max_length: int, size: str = NNX_SIZE) -> None:
+  """Raises for a cache of fewer than one position per row, where it is made: every decode call writes at least
+  one token, so such a cache would refuse them all. `size` says where the length is given (NNX_SIZE, LINEN_SIZE)."""
+  if max_length < 1:
+    raise ValueError(f"a KV cache needs max_length >= 1 position per row; got {max_length} ({size}), and every "
+                     "decode call would pass the end of such a cache. Give it the prompt's length plus the tokens "
+                     "to generate (at least 1)")
+
+
 def check_room(index, lengths, max_length: int, size: str = NNX_SIZE) -> None:
   """Raises where the positions are known and a row's real tokens would pass the cache's end, naming every such row
   (by its index in the batch dims), its position, what it adds, and the cache length that would hold them all;

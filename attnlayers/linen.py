@@ -204,6 +204,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     Returns the whole cache and the attention arguments that read it (bottom-right causal).
     """
     is_initialized = self.has_variable("cache", "cached_key")
+    if not is_initialized:  # ours
+      kv_cache.check_length(key.shape[-3], kv_cache.LINEN_SIZE)
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.zeros(key.shape[:-3], jnp.int32))
@@ -223,6 +225,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     cache (cache_index (*batch,)) each row's token goes to its row's position (kv_cache.append), and the mask,
     (*batch, 1, 1, max_length), lets each row see its own positions up to the new one."""
     is_initialized = self.has_variable("cache", "cached_key")
+    if not is_initialized:  # ours
+      kv_cache.check_length(key.shape[-3], kv_cache.LINEN_SIZE)
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))

@@ -121,11 +121,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     the keys then take the inputs' dtype promoted with param_dtype, float32 for float32 inputs whatever the
     params, so param_dtype alone would round them; a dtype that is not floating or complex is refused);
     cache_index: int32 (*batch,); with a custom attention_fn, which decodes through Flax's own __call__,
-    Flax's scalar index.
+    Flax's scalar index. A max_length below 1 is refused: every decode call would pass the cache's end.
     """
     source = "init_cache's dtype=" if dtype is not None else "the layer's dtype=, init_cache's default"
     dtype = (self.dtype or jnp.float32) if dtype is None else dtype
     kv_cache.check_dtype(dtype, source)
+    kv_cache.check_length(input_shape[-2])
     super().init_cache(input_shape, dtype)
     if isinstance(self.attention_fn, BackendAttention):  # a custom attention_fn decodes on Flax's cache, as is
       self.cache_index = nnx.Cache(jnp.zeros(tuple(input_shape[:-2]), jnp.int32))

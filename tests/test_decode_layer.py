@@ -359,6 +359,17 @@ def test_custom_attention_fn_past_flaxs_cache_raises_as_the_backends_do():
   assert int(m.cache_index[...]) == 2
 
 
+@pytest.mark.parametrize("attention_fn", [None, nnx.dot_product_attention], ids=["backend", "custom"])
+def test_a_cache_of_length_0_is_refused_where_it_is_made(attention_fn):
+  """init_cache((2, 0, D)) made a cache that every decode call then overflowed; it now raises at once, naming the
+  length and what works."""
+  m = MultiHeadAttention(N, D, decode=True, attention_fn=attention_fn, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"a KV cache needs max_length >= 1 position per row; got 0 \(init_cache's "
+                                       r"max_length\)"):
+    m.init_cache((2, 0, D))
+  assert m.cached_key is None, "refused before a cache was made"
+
+
 def test_custom_attention_fn_refuses_a_per_row_cache():
   """A cache with one position per row (the backend path's init_cache, nnx.update'd in) cannot decode through
   Flax's __call__, whose one index for the batch it writes with: the error says so and what works, where jax raised

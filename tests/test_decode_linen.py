@@ -125,6 +125,15 @@ def test_a_custom_attention_fn_past_flaxs_cache_raises_as_the_backends_do():
     step(m, params, cache, tokens(2, 1))
 
 
+@pytest.mark.parametrize("attention_fn", [None, nn.dot_product_attention], ids=["backend", "custom"])
+def test_a_cache_of_length_0_is_refused_where_it_is_made(attention_fn):
+  """An init input of length 0 made (with a custom attention_fn) a cache that every decode call overflowed, or (on
+  the backends) failed in attention with no word of the cache; both now name the length and where it is set."""
+  m = al.MultiHeadDotProductAttention(num_heads=N, decode=True, attention_fn=attention_fn)
+  with pytest.raises(ValueError, match=rf"a KV cache needs max_length >= 1 position per row; got 0 {LINEN_SIZE}"):
+    new_cache(m, 2, 0)
+
+
 def test_refused_calls():
   params = params_of(2)
   with pytest.raises(ValueError, match="needs decode=True"):
