@@ -228,15 +228,22 @@ def test_padding_past_the_cache_end_is_not_an_overflow(backend):
   np.testing.assert_array_equal(m.cache_index[...], [6, 6])
 
 
+def prefilled_under_jit(backend, max_length):
+  """A GQA layer with a cache of max_length, its decode call under nnx.jit, tokens x (2, max_length, D) and their
+  full causal forward; x's first 4 tokens are prefilled through the jitted call. Returns (m, decode, x, full)."""
+  decode = nnx.jit(lambda m, x, lengths: m(x, decode=True, lengths=lengths))
+  m = layer(backend, 2)
+  x = tokens(2, max_length)
+  full = m(x, decode=False, is_causal=True)
+  m.init_cache((2, max_length, D))
+  decode(m, x[:, :4], jnp.array([4, 4], jnp.int32))
+  return m, decode, x, full
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decoding_past_the_cache_under_jit_gives_nan_rows(backend):
   """Under nnx.jit positions are traced, so nothing can raise: the overflowing row is NaN, the other row is right."""
-  decode = nnx.jit(lambda m, x, lengths: m(x, decode=True, lengths=lengths))
-  m = layer(backend, 2)
-  x = tokens(2, 6)
-  full = m(x, decode=False, is_causal=True)
-  m.init_cache((2, 6, D))
-  decode(m, x[:, :4], jnp.array([4, 4], jnp.int32))
+  m, decode, x, full = prefilled_under_jit(backend, 6)
   out = np.asarray(decode(m, jnp.concatenate([x[:, 4:], tokens(2, 1, seed=9)], axis=1), jnp.array([2, 3], jnp.int32)))
   assert np.isnan(out[1]).all(), "row 1 writes 3 tokens at position 4 of a cache of 6"
   assert np.isfinite(out[0]).all()
@@ -250,12 +257,7 @@ def test_a_row_refused_under_jit_is_nan_once_and_keeps_its_cache(backend):
   its output for that call is NaN and its position stays put, so its next call decodes as if the refused one had
   not run (before, its cache_index moved by the bad count, to 10 or backwards, and later calls read slots never
   written or overwrote real ones, with finite outputs)."""
-  decode = nnx.jit(lambda m, x, lengths: m(x, decode=True, lengths=lengths))
-  m = layer(backend, 2)
-  x = tokens(2, 8)
-  full = m(x, decode=False, is_causal=True)
-  m.init_cache((2, 8, D))
-  decode(m, x[:, :4], jnp.array([4, 4], jnp.int32))
+  m, decode, x, full = prefilled_under_jit(backend, 8)
   for T, fine, bad in ((2, 2, 7), (2, 2, -2), (5, 1, 5)):  # 5 real tokens fit T = 5 but not the 4 free slots
     out = np.asarray(decode(m, tokens(2, T, seed=9), jnp.array([fine, bad], jnp.int32)))
     assert np.isnan(out[1]).all() and np.isfinite(out[0]).all(), f"T={T}, lengths [{fine}, {bad}]"
