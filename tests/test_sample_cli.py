@@ -15,7 +15,9 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+import models
 import models.generate
 from tests.test_train import write_shard
 from train import checkpoint, cli, hosts, lock, loop, sample, sample_cli, stepdirs
@@ -292,6 +294,37 @@ def test_a_byte_model_with_a_larger_vocabulary_samples_as_bytes_as_the_trainer_d
   assert code == 0, err
   assert "trained on python-stdlib (UTF-8 bytes)" in out
   assert drawn == [256, 256]
+
+
+def _hand_made(directory, vocab: int) -> str:
+  """A checkpoint written without python -m train: a tiny model of `vocab` ids and a meta that records no data."""
+  cfg = models.config.preset("tiny", vocab_size=vocab, seq_len=32)
+  ckpts = checkpoint.Checkpoints(str(directory))
+  ckpts.save(1, {"params": nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param)},
+             {"model": cfg.architecture(), "run": {"dtype": "float32"}})
+  ckpts.close()
+  return str(directory)
+
+
+def test_a_model_without_a_data_record_and_fewer_ids_than_bytes_samples_from_its_own(tmp_path, capsys, monkeypatch):
+  """vocab_size 64 and no data in the meta: its vocabulary picks bytes (sample.for_vocab), whose 256 ids it lacks.
+  It was refused ("real_vocab (256) must be <= the model's vocab_size (64)"); it now draws from its 64 ids only,
+  and a prompt byte past them is refused naming both."""
+  drawn = []  # (real_vocab, the tokens generated) of each call
+  def record(*a, sampling, **kw):
+    gen = models.generate.generate(*a, sampling=sampling, **kw)
+    drawn.append((sampling.real_vocab, np.asarray(gen.tokens)))
+    return gen
+  monkeypatch.setattr(sample_cli, "generate", record)
+  run = _hand_made(tmp_path / "run", 64)
+  code, out, err = sample_main(["--ckpt-dir", run, "--tokens", "20", "--batch", "4", "--temperature", "2"], capsys)
+  assert code == 0, err
+  assert "trained on ? (UTF-8 bytes)" in out
+  (real, tokens), = drawn
+  assert real == 64 and tokens.max() < 64, (real, tokens)
+  code, _, err = sample_main(["--ckpt-dir", run, "--prompt", "a"], capsys)  # "a" is byte 97
+  assert code == 2 and ("the prompt's UTF-8 bytes include id 97, past the model's vocabulary of 64 (ids 0..63): "
+                        "give a prompt of those ids only") in err, err
 
 
 # --- python -m train's run folders (loop.run replaced: only the folder handling is under test)

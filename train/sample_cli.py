@@ -199,7 +199,12 @@ def run(a) -> None:
   cfg = r.model.cfg
   prompt = sample.encode(text, r.tokenizer)
   new = _new_tokens(a.tokens, len(prompt), cfg.seq_len)
-  ids = sample.IDS[r.tokenizer]  # drawn only from these: ids past them are the vocabulary's padding, never trained on
+  # drawn only from these: ids past the tokenizer's are the vocabulary's padding, never trained on; a checkpoint
+  # without a data record may have fewer than its tokenizer's (tokenizer(): bytes for any vocab_size <= 256)
+  ids = min(sample.IDS[r.tokenizer], cfg.vocab_size)
+  if prompt.max() >= cfg.vocab_size:  # only there: every id a tokenizer gives is below its IDS
+    raise SampleError(f"the prompt's {sample.NAMES[r.tokenizer]} include id {prompt.max()}, past the model's "
+                      f"vocabulary of {cfg.vocab_size} (ids 0..{cfg.vocab_size - 1}): give a prompt of those ids only")
   if a.top_k is not None and a.top_k > ids:
     raise SampleError(f"--top-k {a.top_k} is more than the {ids} {sample.NAMES[r.tokenizer]} the model samples from; "
                       f"use 1..{ids}, or leave it out to keep every token")
