@@ -547,6 +547,10 @@ BAD_FLAGS = {
     "n-head-3": (lambda d: ["--n-head", "3"], "d_model (128) must be divisible by n_head (3): n_head one of 1, 2, 4, "
                  "8, 16, 32, 64, 128, or another d_model (n_head is --n-head, d_model is --d-model)"),
     "n-head-0": (lambda d: ["--n-head", "0"], "argument --n-head: must be >= 1, got 0"),
+    # GPTConfig's words name its fields: the flags that set them are named beside them
+    "fp8-core-without-te-fp8": (lambda d: ["--attn", "xla", "--fp8-core", "bf16"],
+                                "error: fp8_core='bf16' applies to backend 'te-fp8' only; got backend 'xla' "
+                                "(fp8_core is --fp8-core, backend is --attn)"),
     "ckpt-every-0": (lambda d: ["--ckpt-every", "0"], "argument --ckpt-every: must be >= 1, got 0"),
     "log-every-0": (lambda d: ["--log-every", "0"], "argument --log-every: must be >= 1, got 0"),
     "steps-neg": (lambda d: ["--steps", "-5"], "argument --steps: must be >= 1, got -5"),

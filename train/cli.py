@@ -234,9 +234,15 @@ def _settings_unlike_process_0(cfg: config.TrainConfig) -> str | None:
           "(each says which): every process of a run takes the same flags")
 
 
+# The flags that set GPTConfig fields a checkpoint does not record as its architecture (checkpoint.MODEL_FLAGS has
+# those), as a GPTConfig message may name them
+RUN_MODEL_FLAGS = {"fp8_core": "--fp8-core", "backend": "--attn"}
+
+
 def _flags_named(message: str) -> str:
-  """' (FIELD is FLAG, ...)' for the model fields a GPTConfig message names (checkpoint.MODEL_FLAGS), else ''."""
-  named = [f"{field} is {flag}" for field, flag in checkpoint.MODEL_FLAGS.items()
+  """' (FIELD is FLAG, ...)' for the model fields a GPTConfig message names (checkpoint.MODEL_FLAGS,
+  RUN_MODEL_FLAGS), else ''."""
+  named = [f"{field} is {flag}" for field, flag in (checkpoint.MODEL_FLAGS | RUN_MODEL_FLAGS).items()
            if re.search(rf"(?<![\w-]){field}(?![\w-])", message)]
   return f" ({', '.join(named)})" if named else ""
 
