@@ -155,6 +155,7 @@ INCLUDED = [  # reports kept as their benchmark wrote them: (path under the resu
     ("gpt2-small/bias-steps300-b/train.md", "gpt2-small with and without biases over 300 steps, second machine (`--steps 300 --bias without with`)"),
     ("gpt2-small/onepass-ab/train.md", "gpt2-small: the loss reading its logits once, alternated with the step before it (`--bias without`)"),
     ("gpt2-small/96cf60d-bias/train.md", "gpt2-small with and without biases at 96cf60d (`benchmarks.train --backends cudnn te te-fp8 --bias with without`)"),
+    ("gpt2-small/d1165d5-bias-alternated/train.md", "gpt2-small at d1165d5, cudnn with and without biases alternated (`benchmarks.train --backends cudnn cudnn --bias with without`)"),
     ("gpt2-small/repeat/train.md", "gpt2-small: four cudnn runs in a row (`benchmarks.train --backends cudnn cudnn cudnn cudnn`)"),
     ("gpt2-medium/train.md", "gpt2-medium (`benchmarks.train --preset gpt2-medium --backends cudnn te te-fp8`)"),
     ("gpt2-medium/bias/train.md", "gpt2-medium with and without biases (`benchmarks.train --preset gpt2-medium --backends cudnn --bias with without`)"),
