@@ -100,6 +100,16 @@ def test_batch_draws_several_samples(trained, capsys):
   assert "--- sample 3 of 3" in out and "(3 x 6 new tokens" in out
 
 
+def test_a_greedy_batch_prints_its_one_text_once_and_says_why(trained, capsys):
+  """--temperature 0 with --batch 3: the three rows decode the same prompt greedily, so they are one text; it is
+  printed once under a line saying that all three are it, and the timing line still counts the three rows."""
+  code, out, err = sample_main(["--ckpt-dir", str(trained[1]), "--batch", "3", "--tokens", "6", "--temperature", "0",
+                                "--prompt", "def "], capsys)
+  assert code == 0, err
+  assert "--- all 3 samples are this one (--temperature 0 decodes greedily)\ndef " in out, out
+  assert "--- sample" not in out and out.count("\ndef ") == 1 and "(3 x 6 new tokens" in out, out
+
+
 def test_samples_while_a_trainer_holds_the_folder(trained, capsys):
   held = lock.DirLock(str(trained[1]))
   held.acquire()

@@ -212,10 +212,15 @@ def run(a) -> None:
         f"d_model {cfg.d_model}, context {cfg.seq_len}; attention {a.attn}", flush=True)
   gen = generate(r.model, [prompt] * a.batch, max_new_tokens=new,
                  sampling=Sampling(temperature=a.temperature, top_k=a.top_k, seed=a.seed, real_vocab=ids))
-  for i, tokens in enumerate(gen.tokens):
-    if a.batch > 1:
+  texts = [[int(t) for t in prompt] + [int(t) for t in tokens] for tokens in gen.tokens]
+  if a.batch > 1 and all(t == texts[0] for t in texts):  # greedy, or a draw that agreed: printed once, said so
+    why = "--temperature 0 decodes greedily" if a.temperature == 0 else "the draws agreed"
+    print(f"--- all {a.batch} samples are this one ({why})")
+    texts = texts[:1]
+  for i, tokens in enumerate(texts):
+    if len(texts) > 1:
       print(f"--- sample {i + 1} of {a.batch}")
-    print(sample.decode(list(prompt) + list(tokens), r.tokenizer))
+    print(sample.decode(tokens, r.tokenizer))
   rate = f"{gen.decode_tokens_per_s:,.0f} tokens/s" if math.isfinite(gen.decode_tokens_per_s) else "no decode step"
   print(f"---\ntime to first token: {gen.time_to_first_token_s * 1e3:.1f} ms; decode: {rate} "
         f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s and a first run, not counted); "
