@@ -576,6 +576,11 @@ BAD_FLAGS = {
                                   f"--metrics {{d}}/m.bin lies in what --data {{d}}/*.bin reads"),
     "profile-dir-inside-data": (lambda d: ["--steps", "20", "--data", str(d), "--profile-dir", str(d / "p")],
                                 f"--profile-dir {{d}}/p lies in what --data {{d}} reads"),
+    # a setting TrainConfig refuses and an output where --data reads: both, in one line
+    "profile-too-few-steps-inside-data": (lambda d: ["--steps", "10", "--data", str(d), "--profile-dir",
+                                                     str(d / "p")],
+                                          "give --steps 15 or more, or leave out --profile-dir; --profile-dir {d}/p "
+                                          "lies in what --data {d} reads"),
     "ckpt-every-with-no-ckpt": (lambda d: ["--no-ckpt", "--ckpt-every", "5"],
                                 "--ckpt-every applies to checkpoints, and --no-ckpt keeps none: leave out "
                                 "--ckpt-every, or --no-ckpt"),
@@ -920,9 +925,10 @@ def test_what_data_reads_is_what_load_reads(tmp_path, monkeypatch):
 
 
 def test_the_run_outputs_are_checked_with_one_walk_of_the_data_folder_the_walk_load_makes(tmp_path, monkeypatch):
-  """TrainConfig checks all of the run's outputs against what --data reads with one walk of the folder (it walked it
+  """loop.run checks all of the run's outputs against what --data reads with one walk of the folder (it walked it
   again for each), and that walk is load's: a link inside --data to a hidden folder is read through the link, so an
-  output in that folder is refused (it was let through, then read as training text on the next start)."""
+  output in that folder is refused (it was let through, then read as training text on the next start). Making the
+  TrainConfig, or a copy of it, walks nothing (each walked the folder, where not handed the walk again)."""
   monkeypatch.chdir(tmp_path)
   os.makedirs("corpus/.hidden")
   os.symlink(".hidden", "corpus/link")
@@ -931,18 +937,22 @@ def test_the_run_outputs_are_checked_with_one_walk_of_the_data_folder_the_walk_l
   assert data.reads("corpus", "corpus/.hidden/ck") and not data.reads("corpus", "corpus/.other/ck")
   walks, real_walk = [], os.walk
   monkeypatch.setattr(os, "walk", lambda top, **kw: walks.append(top) or real_walk(top, **kw))
+  cfg = config.TrainConfig(model=models.preset("tiny"), steps=20, data="corpus", ckpt_dir="corpus/ck",
+                           metrics="corpus/sub/m.jsonl", profile_dir="corpus/.hidden/p")
+  cfg = dataclasses.replace(cfg, steps=30)
+  assert walks == [], walks
   with pytest.raises(ValueError) as e:
-    config.TrainConfig(model=models.preset("tiny"), steps=20, data="corpus", ckpt_dir="corpus/ck",
-                       metrics="corpus/sub/m.jsonl", profile_dir="corpus/.hidden/p")
+    loop.run(cfg)
   assert walks == ["corpus"], walks
+  assert not os.path.exists("corpus/ck") and not os.path.exists("corpus/sub")  # refused before anything is made
   assert all(f"{output} lies in what --data corpus reads" in str(e.value)
              for output in ("--ckpt-dir corpus/ck", "--metrics corpus/sub/m.jsonl", "--profile-dir corpus/.hidden/p")), e.value
 
 
 def test_a_trainer_start_walks_the_data_folder_once(tmp_path, monkeypatch):
-  """python -m train --data DIR walks DIR once from its flags to the model's build: the check of its outputs
-  (TrainConfig's, again on each of its copies), the check of runs/ and load read that walk (they walked it five
-  times for a fresh, packed run with --metrics)."""
+  """python -m train --data DIR walks DIR once from its flags to the model's build: the check of its outputs (the
+  CLI's on its flags, loop.run's on its config), the check of runs/ and load read that walk (they walked it five
+  times for a fresh, packed run with --metrics: TrainConfig checked the outputs again on each of its copies)."""
   monkeypatch.chdir(tmp_path)
   os.makedirs("corpus/sub")
   for name in ("a.txt", "sub/b.txt"):

@@ -274,6 +274,27 @@ def _expanded(given: str | None, extra: list[str], argv: list[str]) -> bool:
   return any(argv[i + 1:i + 1 + len(extra)] == extra for i in at)  # after it, as the shell puts them
 
 
+def _config(a: argparse.Namespace, model: models.GPTConfig, walk: data.Walk) -> config.TrainConfig:
+  """The run's TrainConfig of the flags, refused (ValueError) where TrainConfig refuses a setting and where an output
+  lies in what --data reads, as `walk` found it (config.outputs_read_as_data): every problem in one message."""
+  outside = config.outputs_read_as_data(a.data, walk, ckpt_dir=a.ckpt_dir, metrics=a.metrics,
+                                        profile_dir=a.profile_dir)
+  try:
+    cfg = config.TrainConfig(
+        model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
+        ckpt_dir=a.ckpt_dir,
+        ckpt_every=config.TrainConfig.ckpt_every if a.ckpt_every is None else a.ckpt_every,
+        eval_every=a.eval_every, log_every=a.log_every,
+        metrics=a.metrics, sample_tokens=_sample_tokens(a.sample_tokens, model.seq_len), peak_tflops=a.peak_tflops,
+        progress=a.progress,
+        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack)
+  except ValueError as e:
+    raise ValueError("; ".join([str(e), *outside])) from None
+  if outside:
+    raise ValueError("; ".join(outside))
+  return cfg
+
+
 def main(argv=None) -> None:
   a = parse(argv)
   if (ignored := _checkpoint_flags(a)) is not None:
@@ -285,14 +306,7 @@ def main(argv=None) -> None:
                           n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype, bias=a.bias,
                           fp8_core=a.fp8_core, window=a.window, window_pattern=a.window_pattern,
                           kernels=a.kernels)
-    cfg = config.TrainConfig(
-        model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
-        ckpt_dir=a.ckpt_dir,
-        ckpt_every=config.TrainConfig.ckpt_every if a.ckpt_every is None else a.ckpt_every,
-        eval_every=a.eval_every, log_every=a.log_every,
-        metrics=a.metrics, sample_tokens=_sample_tokens(a.sample_tokens, model.seq_len), peak_tflops=a.peak_tflops,
-        progress=a.progress,
-        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack, walk=walk)
+    cfg = _config(a, model, walk)
   except ValueError as e:
     print(f"error: {e}{_flags_named(str(e))}", file=sys.stderr)
     sys.exit(2)
@@ -316,7 +330,7 @@ def main(argv=None) -> None:
       print(f"error: {differ}", file=sys.stderr)
       sys.exit(2)
   fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
-  if fresh and data.reads(cfg.data, RUNS, walk):  # as TrainConfig refuses a --ckpt-dir there, before making it
+  if fresh and data.reads(cfg.data, RUNS, walk):  # as _config refuses a --ckpt-dir there, before making it
     print(f"error: the run folder {RUNS}/ (where a run without --ckpt-dir keeps its checkpoints) lies in what "
           f"--data {cfg.data} reads: this run's checkpoints would become training text on the next start, which "
           f"then could not resume (other data); give --ckpt-dir a folder outside {cfg.data}, or --no-ckpt",
@@ -326,7 +340,7 @@ def main(argv=None) -> None:
   if fresh:
     try:
       run_dir, made = agreed_run_dir()  # process 0 makes it, every process saves there
-      cfg = dataclasses.replace(cfg, ckpt_dir=run_dir, walk=walk)
+      cfg = dataclasses.replace(cfg, ckpt_dir=run_dir)
     except RunDirError as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)

@@ -1,4 +1,8 @@
-"""The training run's settings (`TrainConfig`), checked where they are made, before any work."""
+"""The training run's settings (`TrainConfig`), checked where they are made, before any work.
+
+One check reads the file system rather than the settings: whether the run's outputs lie where its data is read
+(`outputs_read_as_data`). Its callers make it (train.cli on the flags, train.loop.run on the config), with the walk
+of the --data folder they hand on to load, not TrainConfig on each of its copies."""
 
 from __future__ import annotations
 
@@ -38,9 +42,8 @@ class TrainConfig:
   profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of PROFILE_WINDOW here
   allow_change: tuple[str, ...] = ()  # TRAJECTORY settings (and DATA) a resume may change; recorded in the metrics file
   pack: bool = False  # train on packed documents (train.packing); validation is unpacked windows either way
-  walk: dataclasses.InitVar[data.Walk | None] = None  # not a setting: the outputs' check reads it (data.read_by)
 
-  def __post_init__(self, walk: data.Walk | None):
+  def __post_init__(self):
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)
     rules = [("steps", self.steps >= 1, ">= 1"), ("batch_size", self.batch_size >= 1, ">= 1"),
              ("lr", finite(self.lr) and self.lr > 0, "a finite number > 0"), ("warmup", self.warmup >= 0, ">= 0"),
@@ -58,24 +61,25 @@ class TrainConfig:
       first, last = PROFILE_WINDOW
       bad.append(f"--profile-dir traces steps {first}-{last} of the run, but --steps is {self.steps}: give --steps "
                  f"{last} or more, or leave out --profile-dir")
-    bad += self._outputs_outside_data(walk)
     if bad:
       raise ValueError("; ".join(bad))
-
-  def _outputs_outside_data(self, walk: data.Walk | None) -> list[str]:
-    """Refusals for the run's outputs that lie where its data is read (as `walk` found it, where given): the next
-    start would read them as training text, so the data would change under the checkpoint, which could then never
-    be resumed."""
-    outputs = [("--ckpt-dir", self.ckpt_dir, "checkpoints"), ("--metrics", self.metrics, "metrics file"),
-               ("--profile-dir", self.profile_dir, "profiler trace")]
-    where = self.data or "(default: the standard library's top-level .py files)"
-    given = [(flag, path, what) for flag, path, what in outputs if path]
-    read = data.read_by(self.data, walk) if given else None  # a --data folder walked once for them all
-    return [f"{flag} {path} lies in what --data {where} reads: this run's {what} would become training text on "
-            f"the next start, which then could not resume (other data); give {flag} a path outside it"
-            for flag, path, what in given if read(path)]
 
   def trajectory(self) -> dict:
     """The TRAJECTORY settings' values, which a checkpoint records (checkpoint.check_meta)."""
     rules = {"dtype": self.model.dtype, "lr_schedule": optim.LR_SCHEDULE, "decay_rule": optim.DECAY_RULE}
     return {f: rules[f] if f in rules else getattr(self, f) for f in TRAJECTORY}
+
+
+def outputs_read_as_data(spec: str | None, walk: data.Walk | None = None, *, ckpt_dir: str | None = None,
+                         metrics: str | None = None, profile_dir: str | None = None) -> list[str]:
+  """Refusals for a run's outputs (TrainConfig's fields of those names) that lie where --data `spec` is read, as
+  `walk` of it found it (None: walked now, where an output is given): the next start would read them as training
+  text, so the data would change under the checkpoint, which could then never be resumed."""
+  outputs = [("--ckpt-dir", ckpt_dir, "checkpoints"), ("--metrics", metrics, "metrics file"),
+             ("--profile-dir", profile_dir, "profiler trace")]
+  where = spec or "(default: the standard library's top-level .py files)"
+  given = [(flag, path, what) for flag, path, what in outputs if path]
+  read = data.read_by(spec, walk) if given else None  # a --data folder walked once for them all
+  return [f"{flag} {path} lies in what --data {where} reads: this run's {what} would become training text on "
+          f"the next start, which then could not resume (other data); give {flag} a path outside it"
+          for flag, path, what in given if read(path)]

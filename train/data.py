@@ -232,8 +232,9 @@ def source(spec: str | None) -> str:
 
 class Walk:
   """One walk of folder `spec` (_walk) for read_by and load to share, made where the first of them needs it and
-  kept: a trainer's start-up gives one to its checks of the run's outputs (train.config, train.cli's of runs/) and
-  to load, so they walk --data once between them, where they walked it once each (and TrainConfig once per copy)."""
+  kept: a trainer's start-up gives one to its checks of the run's outputs (train.config.outputs_read_as_data, which
+  train.cli and train.loop.run make; train.cli's of runs/) and to load, so they walk --data once between them, where
+  they walked it once each (and TrainConfig once per copy)."""
 
   def __init__(self, spec: str | None):
     self.spec = spec  # --data, as read_by and load take it
@@ -261,7 +262,7 @@ def reads(spec: str | None, path: str, walk: Walk | None = None) -> bool:
 
 def read_by(spec: str | None, walk: Walk | None = None) -> Callable[[str], bool]:
   """reads(spec, ·), for every path asked with one walk of `spec`'s folder, as load walks it (_walk): `walk`'s, where
-  given (Walk), else one made now. train.config checks all of the run's outputs with one."""
+  given (Walk), else one made now. train.config.outputs_read_as_data checks all of a run's outputs with one."""
   if spec is None:  # the standard library's top-level .py files
     stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
     def in_stdlib(path: str) -> bool:

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 import models
 from models import kernels
 from train import checkpoint, data, hosts, metrics, report, sample, signals, stepdirs, undo
-from train.config import PROFILE_WINDOW, TrainConfig
+from train.config import PROFILE_WINDOW, TrainConfig, outputs_read_as_data
 from train.step import Model, build, lr
 
 
@@ -365,10 +365,15 @@ def data_mesh(devices) -> jax.sharding.Mesh:
 
 def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
   """Trains; returns the summary. Raises TrainingDiverged on a non-finite loss, signals.Stopped on a signal.
-  walk: the data.Walk of cfg.data that cfg's checks were made with (train.cli), which load then reads too; None: one
-  of its own."""
+  walk: the data.Walk of cfg.data that its caller checked the flags with (train.cli), which the check of cfg's
+  outputs here and load then read too; None: one of its own."""
   t_start = time.perf_counter()
   walk = data.Walk(cfg.data) if walk is None else walk
+  # train.cli refused these on its flags; a cfg made elsewhere (or given its run folder since) is checked here
+  outside = outputs_read_as_data(cfg.data, walk, ckpt_dir=cfg.ckpt_dir, metrics=cfg.metrics,
+                                 profile_dir=cfg.profile_dir)
+  if outside:
+    raise ValueError("; ".join(outside))
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(signals.StopRequests())
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
@@ -384,8 +389,7 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
     if _stop_agreed(stop):  # nothing built or compiled yet, nor written: stop before any of it
       raise _stopped_before_training(stop, "before" if early else "after" if dataset is not None else "while")
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
-      cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()),
-                                walk=walk)
+      cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
       report.check_attention(cfg)
     if cfg.batch_size % jax.device_count():
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
