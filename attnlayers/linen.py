@@ -68,6 +68,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
   def __post_init__(self):
     backends.check_name(self.backend)  # an unknown name fails where the layer is made, as the nnx layer's does
+    spec.check_is_causal(self.is_causal)  # so does an is_causal that is not a bool
     super().__post_init__()
 
   def _attention_fn(self) -> Callable:

@@ -93,6 +93,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   def __init__(self, *args, backend: str = backends.AUTO, is_causal: bool = False, attention_fn=None,
                fp8_recipe: fp8.FP8Recipe | None = None, sliding_window: tuple[int, int] | None = None, **kwargs):
     backends.check_name(backend)
+    spec.check_is_causal(is_causal)
     # num_kv_heads as Flax's signature binds it: a keyword, or the fifth positional argument
     spec.check_num_kv_heads(FLAX_INIT.bind_partial(self, *args, **kwargs).arguments.get("num_kv_heads"))
     if attention_fn is not None and backend != backends.AUTO:

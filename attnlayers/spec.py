@@ -174,20 +174,26 @@ def check_array_args(q, k, v) -> None:
     _array_like(name, x)
 
 
+def check_is_causal(is_causal) -> None:
+  """Refuses an is_causal that is not a bool (1, "yes", None): where it is given, the call or a layer's field."""
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
+
+
 def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None = None, precision=None,
             return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
             causal_alignment: str = "top-left", segment_ids=None, window=None, max_segments=None,
             fp8_amax_history=None, head_dim: int) -> Options:
   """Validates the scalar options of a call (scale, is_causal, fp8_core) and returns them as one Options."""
-  if not isinstance(is_causal, (bool, np.bool_)):
-    raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
+  check_is_causal(is_causal)
   if scale is None:
     scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0  # H == 0 is reported by describe()
   elif isinstance(scale, jax.core.Tracer):
     raise TypeError("scale must be a Python number known when the call is traced (it is a static option of the "
                     "fused kernels); got a traced value. Pass it as a constant, or scale q by it and pass scale=1.0.")
-  elif not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) or np.ndim(scale) != 0:
-    raise TypeError(f"scale must be a real number; got {scale!r}")
+  elif not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) or np.ndim(scale) != 0 or \
+      isinstance(scale, (bool, np.bool_)) or np.asarray(scale).dtype == bool:
+    raise TypeError(f"scale must be a real number (a bool is not one: True would scale by 1); got {scale!r}")
   scale = float(scale)
   if not (math.isfinite(scale) and scale > 0):
     raise ValueError(f"scale must be a finite number > 0 (default 1/sqrt(H)); got {scale}")
@@ -292,7 +298,7 @@ def describe(q, k, v, opts: Options) -> Call:
   empty = [f"{letter}={n}" for letter, n in zip("BTNHSK", (B, T, N, H, S, K)) if n == 0]
   if empty:
     raise ValueError(f"q {q.shape} and k/v {k.shape} must have no zero-sized dim; got {', '.join(empty)} "
-                     "(attention over no keys, heads or features is undefined)")
+                     "(attention over no queries, keys, heads or features is undefined)")
   if N % K:
     raise ValueError(f"num_heads N ({N}) must be divisible by num_kv_heads K ({K}): use K = N (MHA), "
                      f"a divisor of N (GQA) or K = 1 (MQA); q {q.shape}, k {k.shape}")

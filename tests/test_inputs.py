@@ -22,6 +22,9 @@ kv = jax.random.normal(jax.random.key(1), (2, 8, 2, 16))  # (B, S, K, H)
     (float("inf"), ValueError, "scale must be a finite number > 0"),
     (-1.0, ValueError, "scale must be a finite number > 0"),
     ("0.5", TypeError, "scale must be a real number"),
+    (True, TypeError, r"scale must be a real number \(a bool is not one"),
+    (np.bool_(True), TypeError, r"scale must be a real number \(a bool is not one"),
+    (np.array(True), TypeError, r"scale must be a real number \(a bool is not one"),
 ])
 def test_bad_scale(scale, error, message):
   with pytest.raises(error, match=message):
@@ -39,6 +42,15 @@ def test_is_causal_must_be_bool(value):
     attnlayers.attention(q, kv, kv, is_causal=value)
 
 
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_a_layer_refuses_a_non_bool_is_causal_where_it_is_made(value):
+  """As the call does, and as the layers refuse a bad window or backend: at construction, not at the first call."""
+  with pytest.raises(TypeError, match="is_causal must be True or False"):
+    MultiHeadAttention(num_heads=4, in_features=32, is_causal=value, decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="is_causal must be True or False"):
+    attnlayers.linen.MultiHeadDotProductAttention(num_heads=4, is_causal=value)
+
+
 def test_numpy_bool_is_causal_is_accepted():
   np.testing.assert_array_equal(attnlayers.attention(q, kv, kv, is_causal=np.bool_(True)),
                                 attnlayers.attention(q, kv, kv, is_causal=True))
@@ -54,6 +66,7 @@ def test_explain_reports_the_dtype_jax_runs_numpy_float64_as():
 
 @pytest.mark.parametrize("shape_q, shape_kv, named", [
     ((2, 8, 4, 0), (2, 8, 2, 0), "H=0"), ((2, 8, 4, 16), (2, 0, 2, 16), "S=0"), ((2, 8, 4, 16), (2, 8, 0, 16), "K=0"),
+    ((2, 0, 4, 16), (2, 8, 2, 16), r"T=0 \(attention over no queries"),
 ])
 def test_zero_sized_dims(shape_q, shape_kv, named):
   with pytest.raises(ValueError, match=f"must have no zero-sized dim; got .*{named}"):
