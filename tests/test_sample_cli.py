@@ -192,12 +192,14 @@ BAD = {
     "batch-0": (lambda t, d: ["--batch", "0"], "argument --batch: must be >= 1, got 0"),
     # greedy decoding takes neither: both were accepted and silently ignored
     "greedy-top-k": (lambda t, d: ["--temperature", "0", "--top-k", "5"],
-                     "--top-k applies to sampling, and --temperature 0 decodes greedily"),
+                     "--top-k applies to sampling, and --temperature 0 decodes greedily (the most likely token: "
+                     "always among the top k): leave out --top-k,"),
     "greedy-seed": (lambda t, d: ["--temperature", "0", "--seed", "3"],
-                    "--seed applies to sampling, and --temperature 0 decodes greedily"),
+                    "--seed applies to sampling, and --temperature 0 decodes greedily (the most likely token: "
+                    "nothing random): leave out --seed,"),
     "greedy-top-k-seed": (lambda t, d: ["--temperature", "0", "--top-k", "5", "--seed", "0"],
                           "--top-k and --seed apply to sampling, and --temperature 0 decodes greedily (the most "
-                          "likely token: always among the top k, and nothing random): leave out --top-k and --seed, "
+                          "likely token: always among the top k, nothing random): leave out --top-k and --seed, "
                           "or give a --temperature above 0"),
     "no-latest-run": (lambda t, d: [], "no --ckpt-dir given and no runs/latest here"),
 }

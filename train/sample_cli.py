@@ -240,9 +240,10 @@ def main(argv=None) -> None:
   a = p.parse_args(argv)
   ignored = _greedy_ignores(a)
   if ignored:  # refused rather than ignored, as python -m train refuses --ckpt-every with --no-ckpt
+    why = ", ".join({"--top-k": "always among the top k", "--seed": "nothing random"}[flag] for flag in ignored)
     p.error(f"{' and '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} to sampling, and --temperature 0 "
-            f"decodes greedily (the most likely token: always among the top k, and nothing random): leave out "
-            f"{' and '.join(ignored)}, or give a --temperature above 0")
+            f"decodes greedily (the most likely token: {why}): leave out {' and '.join(ignored)}, or give a "
+            "--temperature above 0")
   if a.seed is None:
     a.seed = 0
   try:
