@@ -291,6 +291,7 @@ def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_p
                              "never decays"), (1, None)):
     notices = [line for line in _notices_for(steps=3, warmup=warmup) if line.startswith("warmup")]
     assert notices == ([notice + " (--warmup sets the warm-up)"] if notice else []), notices
+  assert "the warm-up is shortened to 1 step, so" in _notices_for(steps=1, warmup=5)[0]  # one step, not "1 steps"
   assert "prompt (the start of the first validation text):\n" in out and out.index("prompt (") < out.index("sample:\n")
 
 

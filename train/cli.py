@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--kernels", choices=models.KERNELS, default="auto",
                  help="the model's own GPU kernels (LayerNorm, bias + GELU, the loss's softmax gradient): Pallas ones "
                       "(pallas; refused off a CUDA GPU; with several devices each runs all of their work), XLA's fusions (xla), or "
-                      "auto: pallas on one CUDA GPU, else xla")
+                      "auto: pallas on one CUDA GPU, else xla; interpret: the Pallas kernels through Pallas's interpreter, "
+                      "any device, slow (for tests)")
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
   p.add_argument("--vocab-size", type=one, help="token ids the model covers; default: the preset's")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype; default: the preset's")

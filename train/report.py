@@ -77,7 +77,7 @@ def notices(cfg: TrainConfig) -> None:
   if jax.process_index() != 0:
     return
   if cfg.warmup >= cfg.steps:
-    cut = f"is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} steps, so" if \
+    cut = f"is more than steps {cfg.steps}: the warm-up is shortened to {cfg.steps} step{'s' * (cfg.steps != 1)}, so" if \
         cfg.warmup > cfg.steps else f"is as long as the run ({cfg.steps} steps):"
     print(f"warmup {cfg.warmup} {cut} the learning rate rises for the whole run, to {cfg.steps}/{cfg.steps + 1} of "
           "the peak lr, and never decays (--warmup sets the warm-up)", flush=True)
