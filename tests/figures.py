@@ -1,7 +1,7 @@
-"""Which row of a result file a figure in the README quotes.
+"""Which row of a result file a figure in the README or docs/ quotes.
 
-The README quotes measured figures (decimal numbers) from the markdown files of benchmarks/results, and
-a paragraph that quotes one names its files. Finding the figure *somewhere* in a named file proves
+The README and the pages of docs/ quote measured figures (decimal numbers) from the markdown files of
+benchmarks/results, and a paragraph that quotes one names its files. Finding the figure *somewhere* in a named file proves
 little: a four-digit figure of one row is often another row's too (`1.01` once matched an unrelated row).
 So a figure counts only when a record of a named file holds it and fits the words around it.
 
@@ -61,7 +61,7 @@ class Record:
 @dataclasses.dataclass
 class Quote:
   figure: str
-  sentence: str  # the README sentence that holds it
+  sentence: str  # the page's sentence that holds it
   clause: str  # the part of that sentence between ';', ':' or ', and' that holds it
   before: str  # its paragraph (or list lead and bullet) to the end of that clause, less parentheses quoting others
   around: str  # the step's heading, the paragraph before and its own
@@ -227,9 +227,10 @@ def units(paragraph: str) -> list[tuple[str, int]]:
   return [(lead, 0)] + [(f"{lead}\n{b}", len(lead) + 1) for b in bullets]
 
 
-def check(section: str, files: dict[str, str]) -> tuple[int, list[str]]:
-  """How many figures of section (README markdown, no code blocks) are tied to a record of the files (name ->
-  text) their paragraph names, and what is wrong with each of the others."""
+def check(section: str, files: dict[str, str], unmeasured: frozenset[str] = frozenset()) -> tuple[int, list[str]]:
+  """How many figures of section (a page's markdown, no code blocks) are tied to a record of the files (name ->
+  text) their paragraph names, and what is wrong with each of the others. Figures in `unmeasured` (a version, a
+  target, arithmetic on quoted figures) are not quotes: they are neither checked nor counted."""
   found = {name: records(name, text) for name, text in files.items()}
   vocab = vocabulary([r for rs in found.values() for r in rs])
   checked, failures, heading, previous = 0, [], "", ""
@@ -237,11 +238,14 @@ def check(section: str, files: dict[str, str]) -> tuple[int, list[str]]:
     if step := re.match(r"\*\*\d+\.[^*]*\*\*(?: \([^)]*\))?", paragraph):
       heading = step.group()
     names = [name for name in files if name in paragraph]
-    if FIGURE.search(paragraph) and not names:
-      failures.append(f"this paragraph quotes {FIGURE.findall(paragraph)} but names no result file:\n{paragraph}")
+    quoted = [f for f in FIGURE.findall(paragraph) if f not in unmeasured]
+    if quoted and not names:
+      failures.append(f"this paragraph quotes {quoted} but names no result file:\n{paragraph}")
       continue
     for text, own in units(paragraph):
       for quote in quotes(text, own, heading, f"{heading}\n{previous}\n{paragraph}"):
+        if quote.figure in unmeasured:
+          continue
         record, why = tie(quote, [r for name in names for r in found[name]], vocab)
         checked += 1
         if record is None:
