@@ -1,8 +1,8 @@
 """A GPU's SM clock and power while a benchmark runs, from one `nvidia-smi -lms` process read in a thread.
 
-Why: on the H200 the gpt2-small training step draws the board's power limit and runs under the
-driver's software power cap (throttle reason 0x4), at an SM clock well below the boost clock; a
-ratio like vs_matmul compares two programs at whatever clocks each ran. Samples taken while the GPU
+Why: a GPU whose work draws the board's power limit runs under the driver's software power cap
+(throttle reason 0x4), at an SM clock below its boost clock, and a long training step can; a ratio
+like vs_matmul compares two programs at whatever clocks each ran, so each run reports them. Samples taken while the GPU
 is idle (compiling, loading) say nothing about the work, so only busy ones (utilization >= BUSY)
 are summarised. power.draw is nvidia-smi's own average (about 1 s on recent GPUs).
 

@@ -70,8 +70,8 @@ def yardstick_n() -> int:
 def matmul_tflops(n: int | None = None, dtype=jnp.bfloat16, calls: int = 20, chain: int = 10) -> float:
   """TFLOP/s of an n^3 matmul (default yardstick_n()) on random data, as this process measures it now.
 
-  Each timed call runs `chain` dependent matmuls, so launch and sync overhead (~0.1 ms
-  against ~1.4 ms per matmul on an H100/H200) does not count against the rate.
+  Each timed call runs `chain` dependent matmuls, so a call's launch and sync overhead is small beside its
+  work and does not count against the rate.
   """
   n = yardstick_n() if n is None else n
   ka, kb = jax.random.split(jax.random.key(0))

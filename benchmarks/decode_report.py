@@ -58,11 +58,9 @@ def copy_gb_per_s(nbytes: int, calls: int = 20) -> float:
   """GB/s of x <- x + 1 in place over an `nbytes` float32 buffer (read + write), as this process measures it now.
 
   In place: each call is given the last one's output (donated), so no call allocates. A new output per call is
-  memory that, on a CPU, the OS maps and zeroes on first touch, and the copy measured that: 64 MiB read 3.1 GB/s
-  out of place on a 2-core EPYC VM, 40 in place over 1 GiB. Large (benchmarks.decode: 4 GiB, --quick 256 MiB,
-  past a CPU's last-level cache) and warmed up, so that dispatch and clock ramp-up do not count: on the H200 a
-  1 GiB copy timed as the process's first GPU work read 2973 GB/s, 4 GiB after five warm-up calls 3792 (both out
-  of place, as the copy then was).
+  memory that, on a CPU, the OS maps and zeroes on first touch, which the copy would time instead of the copy.
+  The buffer is large (benchmarks.decode: 4 GiB, --quick 256 MiB, past a CPU's last-level cache) and the copy is
+  warmed up (5 calls) before it is timed, so that dispatch, first-touch and clock ramp-up do not count.
   """
   t = common.time_fn(_InPlace(nbytes // 4), warmup=5, calls=calls)
   return 2 * (nbytes // 4) * 4 / (t.median_ms * 1e-3) / 1e9

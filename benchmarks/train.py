@@ -156,7 +156,7 @@ def main(argv=None) -> None:
           print(json.dumps(rows[-1]), flush=True)
   # after the runs: this process takes the GPU only once the children have let it go
   matmul = common.matmul_tflops(n=a.matmul_n)
-  with clocks.Sampler() as gpu:  # the yardstick's ~0.3 s is too short to sample: the same matmul for ~3 s
+  with clocks.Sampler() as gpu:  # the 20-call yardstick is too short to sample: the same matmul for 200 calls
     sustained = common.matmul_tflops(n=a.matmul_n, calls=200)
   env = common.environment() | {"matmul_bf16_tflops": matmul, "matmul_n": a.matmul_n,
                                 "sustained_matmul_bf16_tflops": sustained} | {
