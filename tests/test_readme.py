@@ -1,7 +1,7 @@
-"""The README's runnable claims: its walk-through runs as written, and `python -m attnlayers`
-measures every backend against a float64 reference.
+"""The runnable claims of the README and docs/: the README's usage block and the walk-through's python blocks run
+as written, and `python -m attnlayers` measures every backend against a float64 reference.
 
-The walk-through's python blocks run in order, in one namespace. Blocks marked
+The walk-through's python blocks (docs/walkthrough.md) run in order, in one namespace. Blocks marked
 `# needs an NVIDIA GPU` run only in the GPU test, which on other machines is reported as
 skipped (with the reason) rather than passing without them.
 """
@@ -17,21 +17,30 @@ from attnlayers import __main__ as cli
 from attnlayers import backends
 from tests import reference
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 GPU_ONLY = "needs an NVIDIA GPU"
 
 
+def python_blocks(page: Path) -> list[str]:
+  return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+
+
 def walkthrough_blocks() -> list[str]:
-  text = README.read_text()
-  section = text[text.index("## From naive attention to FP8"):]
-  section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
-  return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+  return python_blocks(WALKTHROUGH)
 
 
-def run_blocks(blocks: list[str]) -> None:
+def run_blocks(blocks: list[str], page: Path = WALKTHROUGH) -> None:
   namespace: dict = {}
   for block in blocks:
-    exec(compile(block, str(README), "exec"), namespace)  # noqa: S102 - the README is ours
+    exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - the page is ours
+
+
+def test_the_readme_usage_block_runs():
+  blocks = python_blocks(README)
+  assert len(blocks) == 1 and "attnlayers.attention(" in blocks[0], "the README's usage block changed"
+  run_blocks(blocks, README)
 
 
 def test_walkthrough_runs_without_a_gpu():
@@ -73,7 +82,7 @@ def test_cli_measures_every_backend_against_float64(capsys):
 
 
 def test_the_layer_modules_are_reached_from_the_package_as_the_readme_writes_them():
-  """`import attnlayers` then attnlayers.linen / .nnx / .fp8 (the README's Use section), in a fresh process."""
+  """`import attnlayers` then attnlayers.linen / .nnx / .fp8 (the README's Use section, docs/backends.md), in a fresh process."""
   import subprocess
   import sys
   code = ("import attnlayers; attnlayers.linen.MultiHeadDotProductAttention; attnlayers.nnx.MultiHeadAttention; "
