@@ -92,3 +92,11 @@ def test_the_layer_modules_are_reached_from_the_package_as_the_readme_writes_the
                         cwd=README.parent)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "module 'attnlayers' has no attribute 'lnen'" in proc.stdout
+
+
+def test_every_relative_link_of_the_readme_and_docs_names_a_file():
+  pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+  broken = [f"{page.relative_to(ROOT)}: {target}" for page in pages
+            for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+            if "://" not in target and not (page.parent / target).exists()]
+  assert not broken, broken
