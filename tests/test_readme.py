@@ -100,3 +100,11 @@ def test_every_relative_link_of_the_readme_and_docs_names_a_file():
             for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
             if "://" not in target and not (page.parent / target).exists()]
   assert not broken, broken
+
+
+def test_the_readme_is_a_front_page():
+  """The README stays short (reference material lives in docs/) and keeps the two commands at the top."""
+  text = README.read_text()
+  assert len(text.splitlines()) <= 300 and len(text.encode()) <= 20_000, (len(text.splitlines()), len(text.encode()))
+  first_block = text[text.index("```bash"):text.index("```", text.index("```bash") + 3)]
+  assert "python -m train" in first_block and "python -m pytest" in first_block, first_block
