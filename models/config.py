@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
-from attnlayers.spec import is_integer
-from models.kernels import KERNELS
+from models.ops import KERNELS
 
 WINDOW_KINDS = ("local", "global")  # window_pattern's words: the layer uses the sliding window, or sees every token
+
+
+def is_integer(x) -> bool:
+  """Whether x is an int, numpy's included, and not a bool: True is an int to Python, never a count, size or id
+  here. The models' checks of counts, sizes, seeds and ids all use this one."""
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +36,7 @@ class GPTConfig:
   window: int | None = None  # sliding window: each query sees itself and the window - 1 tokens before it; None = all
   window_pattern: str | None = None  # with window: "local"/"global" per layer, comma-separated, cycled; None: all local
   max_segments: int | None = None  # packed rows: the most documents one holds (te runs B * max_segments sequences); None: seq_len
-  kernels: str = "auto"  # the model's own GPU kernels (LayerNorm, bias + GELU, loss): models.kernels.KERNELS
+  kernels: str = "auto"  # the model's own GPU kernels (LayerNorm, bias + GELU, loss): models.ops.KERNELS
 
   def __post_init__(self):
     kv = self.n_kv_head or self.n_head

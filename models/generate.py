@@ -25,8 +25,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import attnlayers
-from attnlayers.spec import is_integer
 from models import plans
+from models.config import is_integer
 from models.gpt import GPT
 
 BUCKET = 64  # prompt and cache lengths are rounded up to a multiple of this (capped at seq_len)
@@ -172,8 +172,8 @@ _COMPILED: dict = {}  # (program, static arguments, argument shapes) -> executab
 
 # XLA's GPU compiler rewrites a vector-matrix product (every projection of a batch-1 decode step)
 # into multiply + reduce fusions ("dot strength reduction", no option turns it off in jax 0.11's XLA).
-# On the H200 that made a gpt2-small decode step 0.727 ms at batch 1 against 0.567 at batch 2, so on a
-# GPU a batch of one decodes as two rows (the second a copy of the first, dropped) and runs the GEMMs.
+# On a GPU that makes a batch-1 decode step slower than a batch-2 one, so there a batch of one decodes as two
+# rows (the second a copy of the first, dropped) and runs the GEMMs.
 MIN_GPU_ROWS = 2
 
 

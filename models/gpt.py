@@ -2,7 +2,7 @@
 
 Pre-norm blocks (LayerNorm -> attention -> residual, LayerNorm -> GELU MLP -> residual; the
 stream passes from block to block as a pair whose sum it is, which the next LayerNorm adds in
-its own pass: models.layernorm), learned absolute positions, token embedding tied to the output projection, GPT-2's
+its own pass: models.ops.layernorm), learned absolute positions, token embedding tied to the output projection, GPT-2's
 initialisation (normal 0.02, residual projections scaled by 1/sqrt(2 * n_layer)); `config.bias`
 False drops every Linear's and LayerNorm's bias (nanoGPT's bias=False). The
 attention kernel is `config.backend`; the model never branches on it, except that
@@ -36,8 +36,8 @@ from attnlayers import projection
 from attnlayers.fp8 import FP8Recipe, use_fp8_dense
 from attnlayers.nnx import MultiHeadAttention
 from models.config import GPTConfig
-from models.bias_gelu import bias_gelu, gelu_of_gemm
-from models.layernorm import residual_norm
+from models.ops.bias_gelu import bias_gelu, gelu_of_gemm
+from models.ops.layernorm import residual_norm
 
 
 class Block(nnx.Module):
@@ -46,7 +46,7 @@ class Block(nnx.Module):
     proj_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layer))
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     self.max_segments = cfg.max_segments  # bound on documents per packed row (attnlayers max_segments)
-    self.kernels = cfg.kernels  # its LayerNorms' and bias + GELU's (models.kernels)
+    self.kernels = cfg.kernels  # its LayerNorms' and bias + GELU's (models.ops)
     self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, rngs=rngs)
     recipe = FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None  # te-fp8: every GEMM but the head
     self.attn = MultiHeadAttention(
@@ -63,7 +63,7 @@ class Block(nnx.Module):
     if recipe is not None:  # the MLP's two GEMMs (two thirds of the block's matmul FLOPs) in FP8 too
       use_fp8_dense(self.fc, recipe)
       use_fp8_dense(self.proj, recipe)
-    self.gelu_in_gemm = recipe is None and not cfg.bias  # GELU in the fc GEMM's epilogue (models.bias_gelu)
+    self.gelu_in_gemm = recipe is None and not cfg.bias  # GELU in the fc GEMM's epilogue (models.ops.bias_gelu)
     self.dropout = nnx.Dropout(cfg.dropout)
 
   def __call__(self, x: Float[Array, "B T D"], y: Float[Array, "B T D"] | None = None, rngs: nnx.Rngs | None = None,
@@ -97,7 +97,7 @@ class GPT(nnx.Module):
     init = nnx.initializers.normal(0.02)
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     # Lookups run in the parameter dtype and are cast after: their gradient is a scatter-add,
-    # which on GPUs is native in float32 but emulated (and ~30x slower, measured) in bfloat16.
+    # which on GPUs is native in float32 but emulated, and far slower, in bfloat16.
     self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init, rngs=rngs)
     self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init, rngs=rngs)
     self.drop = nnx.Dropout(cfg.dropout)
@@ -179,7 +179,7 @@ class GPT(nnx.Module):
     dt = jnp.dtype(self.cfg.dtype)
     x = (self.wte(tokens) + self.wpe(pos)).astype(dt)  # (B, T, D)
     x = self.drop(x, deterministic=rngs is None, rngs=rngs)
-    y = None  # the residual stream is x + y (models.layernorm adds them)
+    y = None  # the residual stream is x + y (models.ops.layernorm adds them)
     for block in self.blocks:
       x, y = block(x, y, rngs, decode=decode, lengths=lengths, segment_ids=segment_ids)
     if last_only:

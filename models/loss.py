@@ -20,15 +20,14 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from attnlayers.spec import is_integer
-from models import kernels, softmax_grad, softmax_onepass
+from models import ops
+from models.config import is_integer
+from models.ops import softmax_grad, softmax_onepass
 
-# Most tokens per chunk. A chunk's float32 logits take C * V * 4 bytes (4096 * 50304 * 4 = 0.82 GB
-# for GPT-2's vocabulary; half that in bfloat16, as training takes them); the differentiated pass adds
-# their compute-dtype gradient (0.41 GB in bfloat16): about a fifth of gpt2-small's 6.6 GB float32 (N, V)
-# logits (N = 32768: 8 chunks). Each chunk's three matmuls are still 4096 x 768 x 50304 (0.32 TFLOP each).
-# On the H200, alternating 4096 and 8192 in one process, 8192 was faster by a fraction of a percent of the
-# gpt2-small step and raised its peak memory, so 4096 stays.
+# Most tokens per chunk. A chunk's logits take C * V elements (half the bytes of float32 in bfloat16, as
+# training takes them), and the differentiated pass adds their compute-dtype gradient: a fraction of the
+# whole (N, V) logits, while each chunk's three matmuls stay large GEMMs. Larger chunks raise the peak
+# memory without making the step measurably faster on an H200.
 DEFAULT_CHUNK = 4096
 
 _CONTRACT_D = (((1,), (1,)), ((), ()))  # (C, D) x (V, D) -> (C, V)
@@ -53,11 +52,11 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   backward scales them by the cotangent. Undifferentiated (evaluation), only the loss is computed.
 
   kernel: how the differentiated pass turns each chunk's logits into softmax - onehot and the loss
-  (models.kernels.resolve says what "auto", the default, picks): "xla" (XLA fusions, any backend),
-  "pallas" (one GPU kernel for XLA's two fusions, faster: models.softmax_onepass, one read of the
-  logits, where w is bfloat16 or float32; models.softmax_grad, two reads, for float16) or "interpret"
+  (models.ops.resolve says what "auto", the default, picks): "xla" (XLA fusions, any backend),
+  "pallas" (one GPU kernel for XLA's two fusions: models.ops.softmax_onepass, one read of the
+  logits, where w is bfloat16 or float32; models.ops.softmax_grad, two reads, for float16) or "interpret"
   (that kernel through the Pallas interpreter, any backend, slow: for tests). The same float32 formula,
-  rounded differently: models.softmax_onepass's path never rounds the target's entry, p - 1.
+  rounded differently: models.ops.softmax_onepass's path never rounds the target's entry, p - 1.
   """
   if h.ndim != 3 or w.ndim != 2 or h.shape[-1] != w.shape[-1]:
     raise ValueError(f"h must be (B, T, D) and w (V, D) with the same D; got h {tuple(h.shape)}, w {tuple(w.shape)}")
@@ -77,7 +76,7 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   logits_dtype = jnp.dtype(logits_dtype)
   if logits_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(h.dtype)):
     raise ValueError(f"logits_dtype must be float32 or the compute dtype {h.dtype}; got {logits_dtype}")
-  kernel, _ = kernels.resolve(kernel, h, w)
+  kernel, _ = ops.resolve(kernel, h, w)
   return _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel)
 
 
@@ -144,7 +143,7 @@ def _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel):
 
 def _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel):
   """One chunk's summed loss over real tokens, and d loss / d logits * N = softmax - onehot (C, V): as g, in
-  w's dtype, with scales None; or (models.softmax_onepass) as g * r + onehot * a, g = exp(logits - c) (0 at the
+  w's dtype, with scales None; or (models.ops.softmax_onepass) as g * r + onehot * a, g = exp(logits - c) (0 at the
   target) in w's dtype and scales = (r, a), each (C,) float32, the onehot's term left to the caller. Padding
   rows contribute 0."""
   if kernel == "xla":

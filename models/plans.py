@@ -39,3 +39,9 @@ def attention_plans(cfg: GPTConfig, batch: int, T: int, *, cache_len: int | None
 def ran(plans: list[attnlayers.Plan]) -> str:
   """The kernels the plans run on, once each: "cudnn"; layers whose windows differ: "cudnn/xla"."""
   return "/".join(dict.fromkeys(str(p.chosen) for p in plans))
+
+
+def notes(plans: list[attnlayers.Plan]) -> list[str]:
+  """How the plans run where the backend's name does not say it, once each (attnlayers.explain's notes): e.g.
+  te-fp8 with fp8_core='fp8-or-bf16' on a head dim the FP8 core does not take runs TE's bf16 core."""
+  return list(dict.fromkeys(n for p in plans for n in p.notes))

@@ -1,4 +1,4 @@
-"""models.bias_gelu: gelu(z + b) and its gradients in z and b against the float64 formula, on XLA's fusions and on
+"""models.ops.bias_gelu: gelu(z + b) and its gradients in z and b against the float64 formula, on XLA's fusions and on
 the Pallas kernels (interpreted), at shapes that leave tiles ragged; the MLP keeps nnx.Linear's parameters."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import models
-from models import bias_gelu as bg
-from models.bias_gelu import bias_gelu
+from models.ops import bias_gelu as bg
+from models.ops.bias_gelu import bias_gelu
 from tests import reference
 from tests.test_gelu import _dgelu64, _gelu64
 

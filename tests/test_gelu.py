@@ -1,4 +1,4 @@
-"""models.gelu: values and derivative against the tanh formula in float64, and against jax.nn.gelu's own."""
+"""models.ops.gelu: values and derivative against the tanh formula in float64, and against jax.nn.gelu's own."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.gelu import gelu
+from models.ops.gelu import gelu
 from tests import reference
 
 

@@ -1,4 +1,4 @@
-"""On an NVIDIA GPU: models.bias_gelu's compiled Pallas kernels against the float64 formula at the presets' MLP
+"""On an NVIDIA GPU: models.ops.bias_gelu's compiled Pallas kernels against the float64 formula at the presets' MLP
 widths, and proof that they ran."""
 
 import jax
@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import bias_gelu, kernels
+from models import ops
+from models.ops import bias_gelu
 from tests import reference
 from tests.test_bias_gelu import DTYPES, _inputs, _oracle, _with_vjp
 from tests.test_gpu_layernorm import TRITON
@@ -31,7 +32,7 @@ def test_auto_is_pallas_and_the_kernels_ran():
   if jax.device_count() > 1:
     pytest.skip(f"auto picks pallas on one GPU only; this process has {jax.device_count()} devices")
   z, b, dy = _inputs(jnp.bfloat16, (2, 64, 3072))
-  assert kernels.resolve("auto")[0] == "pallas"
+  assert ops.resolve("auto")[0] == "pallas"
   hlo = lambda kernel: jax.jit(lambda z, b, dy: _with_vjp(z, b, dy, kernel)).lower(z, b, dy).compile().as_text()
   assert len(TRITON.findall(hlo("auto"))) == 2 and len(TRITON.findall(hlo("pallas"))) == 2
   assert not TRITON.search(hlo("xla"))

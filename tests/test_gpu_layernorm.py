@@ -1,6 +1,6 @@
-"""On an NVIDIA GPU: residual_norm on models.norm_fwd's and models.norm_grad's compiled Pallas kernels against the
-float64 formula at the presets' widths, proof that they ran, and a float32 GPT's loss and gradients on both kernels,
-with and without biases."""
+"""On an NVIDIA GPU: residual_norm on models.ops.norm_fwd's and models.ops.norm_grad's compiled Pallas kernels
+against the float64 formula at the presets' widths, proof that they ran, and a float32 GPT's loss and gradients on
+both kernels, with and without biases."""
 
 import re
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import kernels
-from models.layernorm import residual_norm
+from models import ops
+from models.ops.layernorm import residual_norm
 from tests import reference
 from tests.test_layernorm import DTYPES, _inputs, _ln, _oracle, _vjp, test_model_loss_and_gradients_on_both_kernels
 
@@ -56,7 +56,7 @@ def test_auto_is_pallas_and_the_kernel_ran():
   ln, (x, dres, dy) = _ln(jnp.bfloat16, 768), _inputs(jnp.bfloat16, 768, 2, 64)
   if jax.device_count() > 1:
     pytest.skip(f"auto picks pallas on one GPU only; this process has {jax.device_count()} devices")
-  assert kernels.resolve("auto")[0] == "pallas"
+  assert ops.resolve("auto")[0] == "pallas"
   hlo = lambda kernel: jax.jit(lambda x: _vjp(lambda m, x: residual_norm(m, x, kernel=kernel), ln, x, dres, dy)).lower(
       x).compile().as_text()
   assert len(TRITON.findall(hlo("auto"))) == len(TRITON.findall(hlo("pallas"))) == 2  # forward, backward

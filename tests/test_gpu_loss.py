@@ -1,5 +1,5 @@
-"""On an NVIDIA GPU: the training loss's Pallas softmax-gradient kernels (models.softmax_onepass for bfloat16
-and float32, models.softmax_grad for float16) against the float64 oracle and XLA's fusions, at the test sizes
+"""On an NVIDIA GPU: the training loss's Pallas softmax-gradient kernels (models.ops.softmax_onepass for bfloat16
+and float32, models.ops.softmax_grad for float16) against the float64 oracle and XLA's fusions, at the test sizes
 and at gpt2-small's vocabulary, and proof that they ran."""
 
 import re
@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import kernels, softmax_grad, softmax_onepass
+from models import ops
+from models.ops import softmax_grad, softmax_onepass
 from models.loss import head_cross_entropy
 from tests import reference
 from tests.test_loss import DTYPES, _inputs, _oracle
@@ -22,7 +23,7 @@ TRITON = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
 @pytest.mark.parametrize("dtype", [*DTYPES, "float16"], ids=str)
 def test_pallas_matches_oracle(dtype, chunk):
   """V = 5003 (several reads of the kernel and a ragged end), chunks with and without padding; float16 runs
-  models.softmax_grad, the others models.softmax_onepass."""
+  models.ops.softmax_grad, the others models.ops.softmax_onepass."""
   h, w, t = _inputs(DTYPES.get(dtype, jnp.float16), v=5003)
   N = t.size
   value_n, (dh, dw) = jax.jit(jax.value_and_grad(
@@ -37,7 +38,7 @@ def test_auto_is_pallas_and_the_kernel_ran():
   h, w, t = _inputs(jnp.bfloat16, v=5003)
   if jax.device_count() > 1:
     pytest.skip(f"auto picks pallas on one GPU only; this process has {jax.device_count()} devices")
-  assert kernels.resolve("auto")[0] == "pallas"
+  assert ops.resolve("auto")[0] == "pallas"
   hlo = lambda kernel: jax.jit(jax.grad(lambda h, w: head_cross_entropy(h, w, t, kernel=kernel), (0, 1))).lower(
       h, w).compile().as_text()
   assert TRITON.search(hlo("auto")) and TRITON.search(hlo("pallas"))
@@ -81,7 +82,7 @@ def test_gpt2_vocabulary_chunk_float32_output():
 
 @pytest.mark.parametrize("out", ["bfloat16", "float32"])
 def test_onepass_gpt2_vocabulary_chunk_matches_float64(out):
-  """models.softmax_onepass compiled, on a (512, 50304) bfloat16 chunk spread like a trained model's, with
+  """models.ops.softmax_onepass compiled, on a (512, 50304) bfloat16 chunk spread like a trained model's, with
   three rows whose max lies 50 above their first block (the second sweep: e <= 1 there; row 0's max is its
   target's logit, p(target) near 1) and three padding rows: e * r + onehot * a against softmax - onehot, a
   (p(target) - 1) relative to its own size, and the loss."""

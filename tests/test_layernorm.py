@@ -1,6 +1,6 @@
-"""models.layernorm.residual_norm: flax's LayerNorm values, and gradients (the residual stream's added) against
-the float64 formula, on XLA's fusions and on models.norm_fwd's and models.norm_grad's Pallas kernels (interpreted),
-with and without a branch's output added to the stream; the model on both."""
+"""models.ops.layernorm.residual_norm: flax's LayerNorm values, and gradients (the residual stream's added) against
+the float64 formula, on XLA's fusions and on models.ops.norm_fwd's and models.ops.norm_grad's Pallas kernels
+(interpreted), with and without a branch's output added to the stream; the model on both."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 import models
-from models import norm_fwd, norm_grad
-from models.layernorm import residual_norm
+from models.ops import norm_fwd, norm_grad
+from models.ops.layernorm import residual_norm
 from tests import reference
 from train.step import batch_loss
 

@@ -7,7 +7,11 @@ backward) so that they are O(1) and the absolute tolerances mean something.
 """
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +22,8 @@ from flax import nnx
 
 import models
 from attnlayers.fp8 import FP8Meta
-from models import kernels, softmax_grad
+from models import ops
+from models.ops import softmax_grad
 from models.loss import head_cross_entropy
 from tests import reference
 from train.step import batch_loss
@@ -27,7 +32,7 @@ B, T, D, V = 2, 7, 16, 41  # N = 14 tokens; sizes that no other dimension repeat
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # 4 and 5: N = 14 is no multiple (4 chunks of 4 with 2 padding, 3 of 5 with 1); 14: one chunk, exact; 64 > N
 CHUNKS = (1, 4, 5, 14, 64)
-KERNELS = ("xla", "interpret")  # "interpret": the Pallas kernel (models.softmax_onepass here), interpreted
+KERNELS = ("xla", "interpret")  # "interpret": the Pallas kernel (models.ops.softmax_onepass here), interpreted
 
 
 def _inputs(dtype, b=B, t=T, d=D, v=V):
@@ -142,7 +147,7 @@ def test_errors_name_the_values(make, message):
 
 @pytest.mark.parametrize("blocks", [1, 2.5], ids=["V=BLOCK", "V=2.5BLOCK"])
 def test_softmax_grad_kernel_on_long_rows_and_padding(blocks):
-  """models.softmax_grad (interpreted) on rows of one whole read of the kernel and of a ragged 2.5, with
+  """models.ops.softmax_grad (interpreted) on rows of one whole read of the kernel and of a ragged 2.5, with
   logits spread by 30, ties, -inf entries, and a padding row: softmax - onehot and the loss of the float64
   formula."""
   V = int(blocks * softmax_grad.BLOCK)
@@ -182,20 +187,58 @@ def test_kernel_choice_is_said_and_checked(monkeypatch):
   """auto says what it picked and why; pallas where it cannot compile is refused with what would run; with
   several devices auto keeps XLA's fusions (the kernel has no sharding rule)."""
   if jax.default_backend() == "gpu" and jax.device_count() == 1:
-    assert kernels.resolve("auto") == ("pallas", "one GPU: the Pallas kernels")
+    assert ops.resolve("auto") == ("pallas", "one GPU: the Pallas kernels")
   elif jax.default_backend() != "gpu":
-    picked, why = kernels.resolve("auto")
+    picked, why = ops.resolve("auto")
     assert picked == "xla" and why.startswith("XLA fusions (the Pallas kernels need a GPU")
     with pytest.raises(ValueError, match=r"kernel='pallas': .*need a GPU.*Use kernel='xla'"):
       head_cross_entropy(*_inputs(jnp.float32), kernel="pallas")
-  assert kernels.resolve("xla") == ("xla", "as asked")
+  assert ops.resolve("xla") == ("xla", "as asked")
   with pytest.raises(ValueError, match=re.escape("kernel must be one of ('auto', 'xla', 'pallas', 'interpret'); "
                                                  "got 'triton'")):
     head_cross_entropy(*_inputs(jnp.float32), kernel="triton")
-  monkeypatch.setattr(kernels, "available", lambda *arrays: (True, ""))
+  monkeypatch.setattr(ops, "available", lambda *arrays: (True, ""))
   monkeypatch.setattr(jax, "device_count", lambda: 2)
-  picked, why = kernels.resolve("auto")
+  picked, why = ops.resolve("auto")
   assert picked == "xla" and "2 devices: the Pallas kernels have no sharding rule" in why
+
+
+def test_without_pallas_triton_auto_runs_xla_and_says_why(monkeypatch):
+  """A jax without Pallas's Triton backend (its import raises ImportError): auto runs XLA's fusions and says
+  why, even where a GPU would take the kernels; pallas and interpret are refused with the reason."""
+  monkeypatch.setitem(sys.modules, ops.TRITON, None)  # import of a None entry raises ImportError
+  on_a_gpu = types.SimpleNamespace(of=lambda *arrays: types.SimpleNamespace(is_cuda=True))
+  monkeypatch.setattr(ops, "device", on_a_gpu)  # as on one CUDA GPU, where auto would otherwise pick pallas
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
+  assert "has no Pallas Triton backend (jax.experimental.pallas.triton does not import" in ops.triton_missing()
+  picked, why = ops.resolve("auto")
+  assert picked == "xla"
+  assert why.startswith("XLA fusions (the Pallas kernels need Pallas's Triton backend, and this jax (")
+  assert "has no Pallas Triton backend" in why
+  with pytest.raises(ValueError, match=r"kernel='pallas': the Pallas kernels need Pallas's Triton backend, and this "
+                                       r"jax .* has no Pallas Triton backend .*Use kernel='xla' \(XLA fusions, any "
+                                       r"backend\) or 'auto'$"):
+    ops.resolve("pallas")
+  with pytest.raises(ValueError, match=r"kernel='interpret': .* has no Pallas Triton backend .*Use kernel='xla'"):
+    head_cross_entropy(*_inputs(jnp.float32), kernel="interpret")
+  assert ops.resolve("xla") == ("xla", "as asked")
+  np.testing.assert_array_equal(head_cross_entropy(*_inputs(jnp.float32), kernel="auto"),
+                                head_cross_entropy(*_inputs(jnp.float32), kernel="xla"))
+
+
+def test_models_and_the_trainer_import_without_pallas_triton():
+  """With jax.experimental.pallas.triton unimportable, models (the kernels' modules too) and the trainer import,
+  and auto resolves to XLA's fusions with the reason (a new process, which imports them without it)."""
+  code = ("import sys; sys.modules['jax.experimental.pallas.triton'] = None\n"
+          "import models, models.loss, models.gpt, models.ops.bias_gelu, models.ops.layernorm, train.cli\n"
+          "from models import ops\n"
+          "from models.ops import tiling\n"
+          "assert tiling.plgpu is None\n"
+          "print(*ops.resolve('auto'), sep=' | ')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.startswith("xla | XLA fusions (the Pallas kernels need Pallas's Triton backend, and this jax")
 
 
 @pytest.mark.parametrize("chunk", [0, -1, 2.5, True, np.True_])
@@ -206,7 +249,7 @@ def test_chunk_must_be_a_positive_int(chunk):
 
 
 def test_chunk_takes_a_numpy_int():
-  """chunk=np.int64(4) was refused as 'not an int >= 1' (attnlayers.spec.is_integer takes numpy's ints)."""
+  """chunk=np.int64(4) was refused as 'not an int >= 1' (models.config.is_integer takes numpy's ints)."""
   inputs = _inputs(jnp.float32)
   np.testing.assert_array_equal(head_cross_entropy(*inputs, chunk=np.int64(4)), head_cross_entropy(*inputs, chunk=4))
 
@@ -285,9 +328,10 @@ def _gradient_errors(h, w, t, chunk: int) -> dict[str, tuple[float, float]]:
 
 
 def test_onepass_gradients_are_at_least_as_accurate_as_rounding_softmax_minus_onehot():
-  """bfloat16, near-uniform softmax (as at initialisation): models.softmax_onepass's path (the target's p - 1
+  """bfloat16, near-uniform softmax (as at initialisation): models.ops.softmax_onepass's path (the target's p - 1
   applied in float32, never rounded) against XLA's formula, which rounds softmax - onehot to bfloat16 as
-  models.softmax_grad does. Relative (Frobenius) errors of N * dh and N * dw against float64; the one-pass path's must be smaller.
+  models.ops.softmax_grad does. Relative (Frobenius) errors of N * dh and N * dw against float64; the one-pass
+  path's must be smaller.
   Both include the rounding of dh and dw themselves to bfloat16, most of the error. (Rounding the onehot with
   the rest at the scale of the row sum, as the kernel's first version did, failed here: 2.27e-3 and 2.84e-3
   against XLA's 1.73e-3 and 1.77e-3.)"""
@@ -310,7 +354,7 @@ def test_onepass_gradients_of_confident_predictions_are_at_least_as_accurate_as_
   give or take 1% (where both are the rounding of dw itself to bfloat16 they differ in the sixth digit), and
   within 5% of the float64 gradients' own rounding to bfloat16 (XLA's dh error was 4.6 and 11 times that at
   margin 16, 236 and 868 times at 24)."""
-  from models.softmax_onepass import BLOCK
+  from models.ops.softmax_onepass import BLOCK
   N, D, V = 16, 16, 2 * BLOCK + 452
   rng = np.random.default_rng(5)
   h = np.eye(N, D, dtype=np.float32)[None]  # (1, N, D): token i = e_i

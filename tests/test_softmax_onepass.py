@@ -1,4 +1,4 @@
-"""models.softmax_onepass (interpreted): e * r + onehot * a equals softmax - onehot and nll the float64 formula,
+"""models.ops.softmax_onepass (interpreted): e * r + onehot * a equals softmax - onehot and nll the float64 formula,
 on long and ragged rows, padding, rows whose max lies far above their first block (the second sweep), confident
 rows (p(target) near 1, where a must keep its relative precision), and bad targets. The GPU compiles the same
 kernel in tests/test_gpu_loss.py."""
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import softmax_onepass
+from models.ops import softmax_onepass
 from tests import reference
 
 BLOCK = softmax_onepass.BLOCK

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import models
+from models import plans
 from train import cli, data, loop, report, signals
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -509,6 +510,20 @@ def test_a_signal_after_the_last_step_skips_the_sample_and_exits_as_a_stop(tmp_p
     loop.run(cfg)
   assert e.value.exit_code == 128 + signal.SIGTERM and os.path.isdir(tmp_path / "c" / "2")
   assert json.loads(open(tmp_path / "m.jsonl").readlines()[-1])["event"] == "summary"
+
+
+def test_a_run_plans_its_attention_once_and_its_summary_reports_those_plans(monkeypatch):
+  """loop.run makes the attention plans once (the check before any work), and the summary's attention_ran and
+  attention_notes are of those plans, not of plans made again."""
+  made = []
+  real = report.attention_plans
+  monkeypatch.setattr(report, "attention_plans", lambda *a, **k: made.append(a) or real(*a, **k))
+  cfg = loop.TrainConfig(model=models.preset("tiny", seq_len=32), steps=1, batch_size=4, warmup=0, eval_every=0,
+                         sample_tokens=0, progress=False)
+  summary = loop.run(cfg)
+  assert len(made) == 1, made
+  again = real(cfg.model, cfg.batch_size, cfg.pack)
+  assert summary["attention_ran"] == plans.ran(again) and summary["attention_notes"] == plans.notes(again)
 
 
 def _fp8_state():

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import models
-from train import checkpoint, cli, config, data, lock, loop, optim, signals, stepdirs
+from train import checkpoint, cli, config, data, lock, loop, optim, overlap, signals, stepdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
@@ -909,19 +909,19 @@ def test_the_backend_hint_names_dtype_only_where_it_was_not_given_as_half(tmp_pa
 
 
 def test_what_data_reads_is_what_load_reads(tmp_path, monkeypatch):
-  """train.data.reads follows load(): a link to a folder inside --data is read (glob follows it), a hidden name is
+  """train.overlap.reads follows load(): a link to a folder inside --data is read (glob follows it), a hidden name is
   not (glob skips it), and a .bin pattern's '*' stays within one folder."""
   monkeypatch.chdir(tmp_path)
   for d in ("corpus/sub", "outside", "shards/sub"):
     os.makedirs(d)
   os.symlink("../outside", "corpus/link")
-  assert data.reads("corpus", "outside/ck") and data.reads("corpus", "corpus/link/ck")
-  assert data.reads("corpus", "corpus/sub/m.jsonl") and not data.reads("corpus", "corpus/.ckpt")
-  assert not data.reads("corpus", "elsewhere") and data.reads("corpus/a.txt", "corpus/a.txt")
-  assert data.reads("shards/*.bin", "shards/m.bin") and not data.reads("shards/*.bin", "shards/sub/m.bin")
-  assert not data.reads("shards/*.bin", "shards/.m.bin")
+  assert overlap.reads("corpus", "outside/ck") and overlap.reads("corpus", "corpus/link/ck")
+  assert overlap.reads("corpus", "corpus/sub/m.jsonl") and not overlap.reads("corpus", "corpus/.ckpt")
+  assert not overlap.reads("corpus", "elsewhere") and overlap.reads("corpus/a.txt", "corpus/a.txt")
+  assert overlap.reads("shards/*.bin", "shards/m.bin") and not overlap.reads("shards/*.bin", "shards/sub/m.bin")
+  assert not overlap.reads("shards/*.bin", "shards/.m.bin")
   os.symlink("..", "corpus/up")  # a loop of links ends
-  assert data.reads("corpus", "shards-x")  # the link leads above: glob reads all there, and so it ends
+  assert overlap.reads("corpus", "shards-x")  # the link leads above: glob reads all there, and so it ends
 
 
 def test_the_run_outputs_are_checked_with_one_walk_of_the_data_folder_the_walk_load_makes(tmp_path, monkeypatch):
@@ -934,7 +934,7 @@ def test_the_run_outputs_are_checked_with_one_walk_of_the_data_folder_the_walk_l
   os.symlink(".hidden", "corpus/link")
   (tmp_path / "corpus" / ".hidden" / "a.txt").write_text("x = 1\n" * 300)
   assert data.load("corpus", 16).files == ("corpus/link/a.txt",)
-  assert data.reads("corpus", "corpus/.hidden/ck") and not data.reads("corpus", "corpus/.other/ck")
+  assert overlap.reads("corpus", "corpus/.hidden/ck") and not overlap.reads("corpus", "corpus/.other/ck")
   walks, real_walk = [], os.walk
   monkeypatch.setattr(os, "walk", lambda top, **kw: walks.append(top) or real_walk(top, **kw))
   cfg = config.TrainConfig(model=models.preset("tiny"), steps=20, data="corpus", ckpt_dir="corpus/ck",

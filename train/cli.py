@@ -1,7 +1,7 @@
 """`python -m train`: train the GPT decoder with a chosen attention backend and measure it.
 
-Every flag is checked before anything is built or compiled: a bad value exits with code 2
-and one line saying which flag and why. SIGINT and SIGTERM save the step in progress and
+Every flag is checked before anything is built or compiled, by the rules of CHECKS in one place:
+a bad value exits with code 2 and one line saying which flag and why. SIGINT and SIGTERM save the step in progress and
 exit with 128 + the signal's number; one before the first step stops the run before its step
 compiles (loading the data is cut short; one while it loads or before, before the model is built)
 and removes the folders and files it made and left empty.
@@ -31,7 +31,7 @@ from attnlayers import spec
 from attnlayers.cli import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, data, hosts, lock, loop, metrics, report, sample, signals, undo
+from train import checkpoint, config, data, hosts, lock, loop, metrics, overlap, report, sample, signals, undo
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -56,9 +56,10 @@ def parser() -> argparse.ArgumentParser:
                       "take the model, e.g. head dim != 128), FP8 where it can else bf16, or bf16")
   p.add_argument("--kernels", choices=models.KERNELS, default="auto",
                  help="the model's own GPU kernels (LayerNorm, bias + GELU, the loss's softmax gradient): Pallas ones "
-                      "(pallas; refused off a CUDA GPU; with several devices each runs all of their work), XLA's fusions (xla), or "
-                      "auto: pallas on one CUDA GPU, else xla; interpret: the Pallas kernels through Pallas's interpreter, "
-                      "any device, slow (for tests)")
+                      "(pallas; refused off a CUDA GPU and where jax has no Pallas Triton backend; with several "
+                      "devices each runs all of their work), XLA's fusions (xla), or auto: pallas on one CUDA GPU "
+                      "where jax has that backend, else xla; interpret: the Pallas kernels through Pallas's "
+                      "interpreter, any device, slow (for tests)")
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
   p.add_argument("--vocab-size", type=one, help="token ids the model covers; default: the preset's")
   p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype; default: the preset's")
@@ -277,9 +278,9 @@ def _expanded(given: str | None, extra: list[str], argv: list[str]) -> bool:
 
 def _config(a: argparse.Namespace, model: models.GPTConfig, walk: data.Walk) -> config.TrainConfig:
   """The run's TrainConfig of the flags, refused (ValueError) where TrainConfig refuses a setting and where an output
-  lies in what --data reads, as `walk` found it (config.outputs_read_as_data): every problem in one message."""
-  outside = config.outputs_read_as_data(a.data, walk, ckpt_dir=a.ckpt_dir, metrics=a.metrics,
-                                        profile_dir=a.profile_dir)
+  lies in what --data reads, as `walk` found it (train.overlap): every problem in one message."""
+  outside = overlap.outputs_read_as_data(a.data, walk, ckpt_dir=a.ckpt_dir, metrics=a.metrics,
+                                         profile_dir=a.profile_dir)
   try:
     cfg = config.TrainConfig(
         model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
@@ -296,69 +297,135 @@ def _config(a: argparse.Namespace, model: models.GPTConfig, walk: data.Walk) -> 
   return cfg
 
 
-def main(argv=None) -> None:
-  a = parse(argv)
-  if (ignored := _checkpoint_flags(a)) is not None:
-    print(f"error: {ignored}", file=sys.stderr)
-    sys.exit(2)
+@dataclasses.dataclass
+class Start:
+  """The run as the checks of its flags make it: each check reads what those before it made."""
+  a: argparse.Namespace  # the flags
+  walk: data.Walk | None = None  # --data's folder, walked where first needed: every check and load read this walk
+  model: models.GPTConfig | None = None
+  cfg: config.TrainConfig | None = None
+  made: list[str] = dataclasses.field(default_factory=list)  # folders above the run's own folder made for it (RUNS)
+
+  @property
+  def fresh(self) -> bool:
+    """Whether the run keeps its checkpoints in a new folder of its own (no --ckpt-dir, no --no-ckpt)."""
+    return self.a.ckpt_dir is None and not self.a.no_ckpt
+
+
+def _built(s: Start) -> str | None:
+  """Makes the model's GPTConfig and the run's TrainConfig of the flags; what they refuse, with the flags of the
+  model fields it names."""
   try:
-    walk = data.Walk(a.data)  # --data's folder, walked where first needed: every check below and load read that walk
-    model = models.preset(a.preset, backend=a.attn, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model,
-                          n_kv_head=a.kv_heads, seq_len=a.seq_len, vocab_size=a.vocab_size, dtype=a.dtype, bias=a.bias,
-                          fp8_core=a.fp8_core, window=a.window, window_pattern=a.window_pattern,
-                          kernels=a.kernels)
-    cfg = _config(a, model, walk)
+    s.walk = data.Walk(s.a.data)
+    s.model = models.preset(s.a.preset, backend=s.a.attn, n_layer=s.a.n_layer, n_head=s.a.n_head,
+                            d_model=s.a.d_model, n_kv_head=s.a.kv_heads, seq_len=s.a.seq_len,
+                            vocab_size=s.a.vocab_size, dtype=s.a.dtype, bias=s.a.bias, fp8_core=s.a.fp8_core,
+                            window=s.a.window, window_pattern=s.a.window_pattern, kernels=s.a.kernels)
+    s.cfg = _config(s.a, s.model, s.walk)
   except ValueError as e:
-    print(f"error: {e}{_flags_named(str(e))}", file=sys.stderr)
-    sys.exit(2)
-  if a.dtype == "float16" and jax.default_backend() == "cpu":
-    print("error: --dtype float16 needs a GPU: XLA's CPU backend has no float16 matmul with float32 "
-          "accumulation; use --dtype bfloat16 or float32 here", file=sys.stderr)
-    sys.exit(2)
-  multihost = (a.coordinator_address, a.num_processes, a.process_id)
-  if any(x is not None for x in multihost) and any(x is None for x in multihost):
-    print("error: multi-host runs need all of --coordinator-address, --num-processes and --process-id "
-          f"(got {', '.join(n for n, x in zip(('--coordinator-address', '--num-processes', '--process-id'), multihost) if x is not None)})",
-          file=sys.stderr)
-    sys.exit(2)
-  if a.process_id is not None and a.process_id >= a.num_processes:
-    print(f"error: --process-id {a.process_id} must be below --num-processes {a.num_processes}", file=sys.stderr)
-    sys.exit(2)
-  if a.coordinator_address:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
-    jax.distributed.initialize(a.coordinator_address, num_processes=a.num_processes, process_id=a.process_id)
-    if (differ := _settings_unlike_process_0(cfg)) is not None:
-      print(f"error: {differ}", file=sys.stderr)
-      sys.exit(2)
-  fresh = a.ckpt_dir is None and not a.no_ckpt  # this run's own new folder
-  if fresh and data.reads(cfg.data, RUNS, walk):  # as _config refuses a --ckpt-dir there, before making it
-    print(f"error: the run folder {RUNS}/ (where a run without --ckpt-dir keeps its checkpoints) lies in what "
-          f"--data {cfg.data} reads: this run's checkpoints would become training text on the next start, which "
-          f"then could not resume (other data); give --ckpt-dir a folder outside {cfg.data}, or --no-ckpt",
-          file=sys.stderr)
-    sys.exit(2)
-  made = []  # the folders above it this run made (RUNS), removed with it if the run is refused
-  if fresh:
-    try:
-      run_dir, made = agreed_run_dir()  # process 0 makes it, every process saves there
-      cfg = dataclasses.replace(cfg, ckpt_dir=run_dir)
-    except RunDirError as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(2)
-  print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    return f"{e}{_flags_named(str(e))}"
+  return None
+
+
+def _float16_off_a_gpu(s: Start) -> str | None:
+  if s.a.dtype == "float16" and jax.default_backend() == "cpu":
+    return ("--dtype float16 needs a GPU: XLA's CPU backend has no float16 matmul with float32 accumulation; use "
+            "--dtype bfloat16 or float32 here")
+  return None
+
+
+MULTIHOST_FLAGS = ("--coordinator-address", "--num-processes", "--process-id")
+
+
+def _multihost_flags_apart(s: Start) -> str | None:
+  given = (s.a.coordinator_address, s.a.num_processes, s.a.process_id)
+  if any(x is not None for x in given) and any(x is None for x in given):
+    return ("multi-host runs need all of --coordinator-address, --num-processes and --process-id "
+            f"(got {', '.join(n for n, x in zip(MULTIHOST_FLAGS, given) if x is not None)})")
+  return None
+
+
+def _process_id_out_of_range(s: Start) -> str | None:
+  if s.a.process_id is not None and s.a.process_id >= s.a.num_processes:
+    return f"--process-id {s.a.process_id} must be below --num-processes {s.a.num_processes}"
+  return None
+
+
+def _joined_unlike_process_0(s: Start) -> str | None:
+  """Joins a multi-host run (--coordinator-address); where a process was given other settings than process 0, the
+  message every process stops with."""
+  if not s.a.coordinator_address:
+    return None
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
+  jax.distributed.initialize(s.a.coordinator_address, num_processes=s.a.num_processes, process_id=s.a.process_id)
+  return _settings_unlike_process_0(s.cfg)
+
+
+def _runs_read_as_data(s: Start) -> str | None:
+  """A fresh run's RUNS in what --data reads, refused before the run folder is made there (as _config refuses a
+  --ckpt-dir there)."""
+  return overlap.runs_folder_read_as_data(s.cfg.data, RUNS, s.walk) if s.fresh else None
+
+
+def _run_dir_made(s: Start) -> str | None:
+  """Makes a fresh run's own folder (process 0 makes it, every process saves there); why it cannot be made."""
+  if not s.fresh:
+    return None
   try:
-    summary = loop.run(cfg, walk)
+    run_dir, s.made = agreed_run_dir()
+  except RunDirError as e:
+    return str(e)
+  s.cfg = dataclasses.replace(s.cfg, ckpt_dir=run_dir)
+  return None
+
+
+# Every refusal of the flags, in the order checked, each run once the checks above it passed: a function of the
+# Start that returns the message the run stops with (exit code 2), or None. The last two make the multi-host run's
+# connection and the run's folder, which the checks after them need, and nothing else is made before them.
+CHECKS = (
+    lambda s: _checkpoint_flags(s.a),
+    _built,
+    _float16_off_a_gpu,
+    _multihost_flags_apart,
+    _process_id_out_of_range,
+    _joined_unlike_process_0,
+    _runs_read_as_data,
+    _run_dir_made,
+)
+
+
+def _refuse(message: str) -> None:
+  """Ends a refused run: 'error: ' and the message on stderr, exit code 2."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def start(argv=None) -> Start:
+  """The run of the flags of `argv`, every check of CHECKS passed; the first that refuses ends the process."""
+  s = Start(parse(argv))
+  for check in CHECKS:
+    if (refused := check(s)) is not None:
+      _refuse(refused)
+  return s
+
+
+def main(argv=None) -> None:
+  s = start(argv)
+  a, model, cfg = s.a, s.model, s.cfg
+  print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}",
+        flush=True)
+  try:
+    summary = loop.run(cfg, s.walk)
   except signals.Stopped as e:
-    if fresh:  # stopped before its first save: the folder fresh_run_dir made holds nothing
-      e.removed += _discard_if_unused(cfg.ckpt_dir, made)
+    if s.fresh:  # stopped before its first save: the folder fresh_run_dir made holds nothing
+      e.removed += _discard_if_unused(cfg.ckpt_dir, s.made)
     print(e.report(), file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
-    if fresh:  # made by fresh_run_dir: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
-      _discard_if_unused(cfg.ckpt_dir, made)
-    print(f"error: {e}{_flag_hint(e, a)}", file=sys.stderr)
-    sys.exit(2)
+    if s.fresh:  # made by fresh_run_dir: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
+      _discard_if_unused(cfg.ckpt_dir, s.made)
+    _refuse(f"{e}{_flag_hint(e, a)}")
   sampled, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
   if jax.process_index() != 0:
     return
@@ -366,7 +433,7 @@ def main(argv=None) -> None:
   if sampled is not None:
     print(f"prompt (the start of the first validation text):\n{prompt}\nsample:\n{sampled}")
   if cfg.ckpt_dir:
-    if fresh:
+    if s.fresh:
       write_latest(cfg.ckpt_dir)
     saved = "model saved in" if summary["final_loss"] is not None else "no step to train: the model was saved in"
     tokens = data.tokenizer(data.source(cfg.data))

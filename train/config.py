@@ -1,8 +1,8 @@
 """The training run's settings (`TrainConfig`), checked where they are made, before any work.
 
-One check reads the file system rather than the settings: whether the run's outputs lie where its data is read
-(`outputs_read_as_data`). Its callers make it (train.cli on the flags, train.loop.run on the config), with the walk
-of the --data folder they hand on to load, not TrainConfig on each of its copies."""
+Whether the run's outputs lie where its data is read is train.overlap's check, which reads the file system: its
+callers make it (train.cli on the flags, train.loop.run on the config) with the walk of the --data folder they
+hand on to load, not TrainConfig on each of its copies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 import models
-from train import data, optim
+from train import optim
 
 PROFILE_WINDOW = (11, 15)  # steps traced with profile_dir, counted from the run's first step (1)
 # The settings that, with the model's architecture, seed and data, decide every step's numbers:
@@ -68,18 +68,3 @@ class TrainConfig:
     """The TRAJECTORY settings' values, which a checkpoint records (checkpoint.check_meta)."""
     rules = {"dtype": self.model.dtype, "lr_schedule": optim.LR_SCHEDULE, "decay_rule": optim.DECAY_RULE}
     return {f: rules[f] if f in rules else getattr(self, f) for f in TRAJECTORY}
-
-
-def outputs_read_as_data(spec: str | None, walk: data.Walk | None = None, *, ckpt_dir: str | None = None,
-                         metrics: str | None = None, profile_dir: str | None = None) -> list[str]:
-  """Refusals for a run's outputs (TrainConfig's fields of those names) that lie where --data `spec` is read, as
-  `walk` of it found it (None: walked now, where an output is given): the next start would read them as training
-  text, so the data would change under the checkpoint, which could then never be resumed."""
-  outputs = [("--ckpt-dir", ckpt_dir, "checkpoints"), ("--metrics", metrics, "metrics file"),
-             ("--profile-dir", profile_dir, "profiler trace")]
-  where = spec or "(default: the standard library's top-level .py files)"
-  given = [(flag, path, what) for flag, path, what in outputs if path]
-  read = data.read_by(spec, walk) if given else None  # a --data folder walked once for them all
-  return [f"{flag} {path} lies in what --data {where} reads: this run's {what} would become training text on "
-          f"the next start, which then could not resume (other data); give {flag} a path outside it"
-          for flag, path, what in given if read(path)]

@@ -19,7 +19,7 @@ counts as one text), so texts of seq_len + 1 tokens or fewer are not used. Packe
 in rows with segment ids and positions.
 
 Validation is the same unpacked held-out windows in both modes (`batch("val", ...)`): plain
-causal windows inside held-out texts, as every run before packing measured. So the val_loss
+causal windows inside held-out texts, as an unpacked run trains on. So the val_loss
 of a packed and an unpacked run compare on identical tokens, it needs no segment ids (which
 not every kernel takes), and a packed model meets nothing
 there it did not train on: a window that starts inside a text at position 0 is what a packed
@@ -31,7 +31,6 @@ cross end-of-text tokens unmasked, as only the unpacked run trained; weigh that 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import glob
 import hashlib
@@ -39,7 +38,7 @@ import itertools
 import os
 import shlex
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -231,22 +230,21 @@ def source(spec: str | None) -> str:
 
 
 class Walk:
-  """One walk of folder `spec` (_walk) for read_by and load to share, made where the first of them needs it and
-  kept: a trainer's start-up gives one to its checks of the run's outputs (train.config.outputs_read_as_data, which
-  train.cli and train.loop.run make; train.cli's of runs/) and to load, so they walk --data once between them, where
-  they walked it once each (and TrainConfig once per copy)."""
+  """One walk of folder `spec` (_walk) for load and train.overlap to share, made where the first of them needs it
+  and kept: a trainer's start-up gives one to its checks of the run's outputs (train.overlap, which train.cli and
+  train.loop.run make) and to load, so that --data is walked once between them."""
 
   def __init__(self, spec: str | None):
-    self.spec = spec  # --data, as read_by and load take it
+    self.spec = spec  # --data, as load and train.overlap.read_by take it
 
   @functools.cached_property
   def found(self) -> list[tuple[str, list[str]]]:
     return list(_walk(self.spec))
 
 
-def _walked(spec: str, walk: Walk | None) -> list[tuple[str, list[str]]]:
-  """What `walk` found under `spec`, walked where not yet; a walk of its own where None. A Walk of other data is
-  refused: its folders and files are not those of `spec`."""
+def walked(spec: str, walk: Walk | None = None) -> list[tuple[str, list[str]]]:
+  """(path, names) of each folder load reads under folder `spec` (_walk): what `walk` found, walked where not yet;
+  a walk of its own where None. A Walk of other data is refused: its folders and files are not those of `spec`."""
   if walk is None:
     return list(_walk(spec))
   if walk.spec != spec:
@@ -254,51 +252,11 @@ def _walked(spec: str, walk: Walk | None) -> list[tuple[str, list[str]]]:
   return walk.found
 
 
-def reads(spec: str | None, path: str, walk: Walk | None = None) -> bool:
-  """Whether loading `spec` reads the file `path`, or files under the folder `path` (either may not exist yet):
-  what a run must not write to, or its own output becomes its data. read_by(spec) asks it of several paths."""
-  return read_by(spec, walk)(path)
-
-
-def read_by(spec: str | None, walk: Walk | None = None) -> Callable[[str], bool]:
-  """reads(spec, ·), for every path asked with one walk of `spec`'s folder, as load walks it (_walk): `walk`'s, where
-  given (Walk), else one made now. train.config.outputs_read_as_data checks all of a run's outputs with one."""
-  if spec is None:  # the standard library's top-level .py files
-    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
-    def in_stdlib(path: str) -> bool:
-      real = os.path.realpath(path)
-      return os.path.dirname(real) == stdlib and real.endswith(".py")
-    return in_stdlib
-  if spec.endswith(".bin"):  # the files the pattern matches, as glob matches them; a folder's files never end in .bin
-    return lambda path: _glob_matches(source(spec), os.path.realpath(path))
-  folders = {os.path.realpath(spec)} | {os.path.realpath(top) for top, _ in _walked(spec, walk)}  # a file: only itself
-  return lambda path: _reached(os.path.realpath(path), folders)
-
-
-def _reached(path: str, folders: set[str]) -> bool:
-  """Whether real path `path` is one of `folders` (the real paths of the folders a walk went through) or lies under
-  one by names the walk takes (none starting with "."), so that it is read, or would be once made."""
-  while path not in folders:
-    parent, name = os.path.split(path)
-    if parent == path or name.startswith("."):
-      return False
-    path = parent
-  return True
-
-
-def _glob_matches(pattern: str, path: str) -> bool:
-  """Whether glob(pattern) (not recursive) would return real path `path`: each name matched by its part of the
-  pattern ("*" never crosses "/", and a name starting with "." needs a pattern part that does)."""
-  want, have = pattern.split(os.sep), path.split(os.sep)
-  return len(want) == len(have) and all(
-      fnmatch.fnmatchcase(h, w) and (not h.startswith(".") or w.startswith(".")) for w, h in zip(want, have))
-
-
 def _walk(folder: str) -> Iterator[tuple[str, list[str]]]:
   """(path, names) of each folder load reads under `folder`, with the names in it that it may read (no name
   starting with "."; files, links and others): as glob's "**/*" walks (links followed), but each real folder once,
-  under the first path that reaches it. glob walks every path: a link back up the tree made it read each file some
-  40 times over (into both training and validation), and two such paths made it run for ever."""
+  under the first path that reaches it. glob walks every path: through a link back up the tree it reads each file
+  many times over (into both training and validation), and through two such links it never ends."""
   walked = set()
   for top, dirs, names in os.walk(folder, followlinks=True):
     walked.add(os.path.realpath(top))
@@ -307,9 +265,9 @@ def _walk(folder: str) -> Iterator[tuple[str, list[str]]]:
     yield top, [n for n in names if not n.startswith(".")]
 
 
-def _folder_files(walked: list[tuple[str, list[str]]]) -> list[str]:
+def _folder_files(folders: list[tuple[str, list[str]]]) -> list[str]:
   """The files a walk of a folder found (_walk), sorted, each once: a file reached by two paths is read by the first."""
-  found = [os.path.join(top, n) for top, names in walked for n in names if os.path.isfile(os.path.join(top, n))]
+  found = [os.path.join(top, n) for top, names in folders for n in names if os.path.isfile(os.path.join(top, n))]
   seen = set()
   return [p for p in sorted(found) if not (os.path.realpath(p) in seen or seen.add(os.path.realpath(p)))]
 
@@ -326,7 +284,7 @@ def _text_files(spec: str, walk: Walk | None) -> list[str]:
   """The files of folder `spec` (_folder_files of `walk`, or of a walk made now), refused where they are not all text:
   none, python -m train's run folders, or llm.c token shards (read as bytes, they would train on their header and
   uint16 halves)."""
-  files = _folder_files(_walked(spec, walk))
+  files = _folder_files(walked(spec, walk))
   if not files:
     raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
   runs = _run_folders(files)

@@ -14,8 +14,9 @@ is the same unpacked held-out windows in both modes (train.data says why). Neith
 so tokens_per_s counts only real tokens.
 
 The settings are train.config's TrainConfig; the model, optimizer and jitted step it trains are
-train.step's; what a run says apart from its steps (notices, the attention check, the summary
-and its sample) is train.report.
+train.step's; the batches and the Session the steps read are train.session's; what a run says apart
+from its steps (notices, the attention check, the summary and its sample) is train.report; whether
+its outputs lie where --data reads is train.overlap's check.
 """
 
 from __future__ import annotations
@@ -34,53 +35,15 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 import models
-from models import kernels
-from train import checkpoint, data, hosts, metrics, report, sample, signals, stepdirs, undo
-from train.config import PROFILE_WINDOW, TrainConfig, outputs_read_as_data
-from train.step import Model, build, lr
+from models import ops
+from train import checkpoint, data, hosts, metrics, overlap, report, sample, signals, stepdirs, undo
+from train.config import PROFILE_WINDOW, TrainConfig
+from train.session import Batches, Session
+from train.step import build, lr
 
 
 class TrainingDiverged(RuntimeError):
   pass
-
-
-BATCH_FIELDS = ("inputs", "targets", "segment_ids", "positions")  # a packed batch's arrays; unpacked: the first two
-
-
-@dataclasses.dataclass(frozen=True)
-class Batches:
-  """Step s's batch on the devices: every process cuts its rows out of the same global batch.
-
-  A batch is a dict of int32 (B, T) arrays named by BATCH_FIELDS: packed training rows carry
-  all four, validation (and unpacked training) windows inputs and targets only."""
-  dataset: data.Dataset  # the token source
-  cfg: TrainConfig  # seed, batch size, sequence length, packing
-  sharding: NamedSharding  # rows split over the "data" axis
-
-  def __call__(self, split: str, step: int) -> dict:
-    local = self.cfg.batch_size // jax.process_count()
-    lo = jax.process_index() * local
-    if self.cfg.pack and split == "train":
-      arrays = self.dataset.packed_batch(self.cfg.seed, step, self.cfg.batch_size)
-    else:
-      arrays = self.dataset.batch(split, self.cfg.seed, step, self.cfg.batch_size, self.cfg.model.seq_len)
-    return {name: jax.make_array_from_process_local_data(self.sharding, a[lo:lo + local])
-            for name, a in zip(BATCH_FIELDS, arrays)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Session:
-  """Everything the loop reads; the state it trains is passed along explicitly."""
-  cfg: TrainConfig  # the run's settings
-  model: Model  # step functions
-  batches: Batches  # batch of (split, step)
-  ckpts: checkpoint.Checkpoints | None  # None without ckpt_dir
-  meta: dict  # what each checkpoint records about the run (checkpoint.check_meta)
-  out: metrics.MetricsFile  # the JSONL metrics
-  throughput: metrics.Throughput  # steps/s between reports
-  stop: signals.StopRequests  # SIGINT/SIGTERM received, if any
-  start: int  # the step the run resumed from (0 = fresh)
-  val_loss: dict = dataclasses.field(default_factory=dict)  # step -> validation loss, this process's evaluations
 
 
 def _open_outputs(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[checkpoint.Checkpoints | None,
@@ -370,15 +333,16 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
   t_start = time.perf_counter()
   walk = data.Walk(cfg.data) if walk is None else walk
   # train.cli refused these on its flags; a cfg made elsewhere (or given its run folder since) is checked here
-  outside = outputs_read_as_data(cfg.data, walk, ckpt_dir=cfg.ckpt_dir, metrics=cfg.metrics,
-                                 profile_dir=cfg.profile_dir)
+  outside = overlap.outputs_read_as_data(cfg.data, walk, ckpt_dir=cfg.ckpt_dir, metrics=cfg.metrics,
+                                         profile_dir=cfg.profile_dir)
   if outside:
     raise ValueError("; ".join(outside))
   with contextlib.ExitStack() as stack:
     stop = stack.enter_context(signals.StopRequests())
     data.check_source(cfg.data)  # a missing --data path stops the run before any folder is locked or written
-    report.check_attention(cfg)  # so does a backend that cannot run the model's attention (e.g. its segment ids)
-    kernels.resolve(cfg.model.kernels)  # and kernels="pallas" off a CUDA GPU
+    # so does a backend that cannot run the model's attention (e.g. its segment ids); the summary reports these plans
+    attention = report.check_attention(cfg)
+    ops.resolve(cfg.model.kernels)  # and kernels="pallas" off a CUDA GPU
     report.notices(cfg)
     ckpts, out = _open_outputs(cfg, stack)
     # loading only reads: a signal cuts it short (one process: several must each reach the agreement below,
@@ -390,7 +354,7 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
       raise _stopped_before_training(stop, "before" if early else "after" if dataset is not None else "while")
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
       cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
-      report.check_attention(cfg)
+      attention = report.check_attention(cfg)  # the plans of the calls with this data's max_segments
     if cfg.batch_size % jax.device_count():
       raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
     mesh = data_mesh(jax.devices())
@@ -416,7 +380,7 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
                                     models.flops_per_token(cfg.model, model.n_params, cfg.model.seq_len),
                                     metrics.peak_flops(cfg.peak_tflops))
     s = Session(cfg, model, Batches(dataset, cfg, NamedSharding(mesh, P("data"))), ckpts, meta, out, throughput,
-                stop, start)
+                stop, start, attention)
     state, loss = _train(s, state)
     summary = report.summary(s, state, loss, dataset)
     out.write(summary)

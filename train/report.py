@@ -1,9 +1,8 @@
 """What a run says of itself apart from its steps: the notices before any work, the attention
-plans it checks first, and the end-of-run summary with its sample."""
+plans it checks first (made once per run: the summary reports the same plans), and the end-of-run
+summary with its sample."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -11,12 +10,10 @@ from flax import nnx
 
 import attnlayers
 import models
-from models import generate, kernels, plans
+from models import generate, ops, plans
 from train import data, metrics, sample
 from train.config import TrainConfig
-
-if TYPE_CHECKING:
-  from train.loop import Session
+from train.session import Session
 
 SAMPLE_TEMPERATURE = 0.8  # of the end-of-run sample
 
@@ -26,23 +23,29 @@ def attention_plans(cfg: models.GPTConfig, batch_size: int, pack: bool) -> list[
   return plans.attention_plans(cfg, batch_size, cfg.seq_len, pack=pack)
 
 
-def check_attention(cfg: TrainConfig) -> None:
-  """BackendUnavailableError, with every reason, where the backend cannot run the model's attention (checked
-  before any work)."""
-  for plan in attention_plans(cfg.model, cfg.batch_size, cfg.pack):
+def check_attention(cfg: TrainConfig) -> list[attnlayers.Plan]:
+  """The plans of the training step's attention calls (attention_plans), checked before any work.
+
+  Raises:
+    attnlayers.BackendUnavailableError: with every reason, where the backend cannot run one of them.
+  """
+  checked = attention_plans(cfg.model, cfg.batch_size, cfg.pack)
+  for plan in checked:
     if not plan.ok:
       raise attnlayers.BackendUnavailableError.from_plan(plan)
+  return checked
 
 
 def attention_ran(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> str:
-  """The kernel the model's attention calls run on (what `auto` chose); layers that differ: "a/b"."""
+  """The kernel the model's attention calls run on (what `auto` chose); layers that differ: "a/b" (models.plans.ran
+  of attention_plans). For callers without a run's plans (a run's summary reads its own: Session.attention_plans)."""
   return plans.ran(attention_plans(cfg, batch_size, pack))
 
 
 def attention_notes(cfg: models.GPTConfig, batch_size: int, pack: bool = False) -> list[str]:
-  """How those calls run where the backend's name does not say it, once each (attnlayers.explain's notes): e.g.
-  te-fp8 with fp8_core='fp8-or-bf16' on a head dim the FP8 core does not take runs TE's bf16 core."""
-  return list(dict.fromkeys(n for p in attention_plans(cfg, batch_size, pack) for n in p.notes))
+  """How those calls run where the backend's name does not say it, once each (models.plans.notes of
+  attention_plans). For callers without a run's plans, as attention_ran."""
+  return plans.notes(attention_plans(cfg, batch_size, pack))
 
 
 def summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) -> dict:
@@ -55,9 +58,9 @@ def summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) 
       "final_val_loss": s.val_loss[max(s.val_loss)] if s.val_loss else None,
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
-      "attention": mcfg.backend, "attention_ran": attention_ran(mcfg, cfg.batch_size, cfg.pack),
-      "attention_notes": attention_notes(mcfg, cfg.batch_size, cfg.pack),
-      "kernels": kernels.resolve(mcfg.kernels)[0],  # the loss's, the LayerNorms' and bias + GELU's
+      "attention": mcfg.backend, "attention_ran": plans.ran(s.attention_plans),
+      "attention_notes": plans.notes(s.attention_plans),
+      "kernels": ops.resolve(mcfg.kernels)[0],  # the loss's, the LayerNorms' and bias + GELU's
       "device": str(jax.local_devices()[0].device_kind), "devices": jax.device_count(),
   }
   if cfg.sample_tokens and s.stop.received is None:  # a signal after the last step: no sample, stop now

@@ -8,9 +8,8 @@ formula as flax's (float32 statistics, variance E[s^2] - E[s]^2, scale and bias 
 dtype). A pre-norm block reads the residual stream twice, into the LayerNorm and past it; taking s
 back from here routes the stream's gradient into this op's backward, which returns
 dres + LayerNorm'(dy) in one pass (for x and y alike). On a GPU both directions are Pallas kernels:
-the add, statistics and normalisation in one pass (models.norm_fwd), the backward in another
-(models.norm_grad); elsewhere the same float32 formulas run as XLA fusions (models.kernels picks;
-`kernel` as there).
+the add, statistics and normalisation in one pass (models.ops.norm_fwd), the backward in another
+(models.ops.norm_grad); elsewhere the same float32 formulas run as XLA fusions (models.ops.resolve picks).
 """
 
 from __future__ import annotations
@@ -22,13 +21,22 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from models import kernels, norm_fwd, norm_grad
+from models import ops
+from models.ops import norm_fwd, norm_grad
 
 
 def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], y: Float[Array, "B T D"] | None = None, *,
                   kernel: str = "auto") -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
   """(s, ln(s)) with s = x + y (x where y is None); differentiable in x, y and ln's scale and bias (reverse mode).
-  A LayerNorm without bias (use_bias=False) runs the same kernels with a zero bias, whose gradient is dropped."""
+
+  A LayerNorm without bias (use_bias=False) runs the same kernels with a zero bias, whose gradient is dropped.
+
+  Args:
+    ln: the model's LayerNorm (over the last axis, with a scale and flax's fast variance).
+    x: the residual stream, in the LayerNorm's compute dtype.
+    y: the branch output added to it, x's shape and dtype; None: s = x.
+    kernel: one of models.ops.KERNELS; "auto" (the default) as models.ops.resolve picks.
+  """
   if ln.reduction_axes not in (-1, (-1,)) or ln.feature_axes not in (-1, (-1,)) or ln.scale is None or \
       not ln.use_fast_variance or ln.axis_name is not None:
     raise ValueError("residual_norm takes a LayerNorm over the last axis with a scale, fast variance and no "
@@ -43,7 +51,7 @@ def residual_norm(ln: nnx.LayerNorm, x: Float[Array, "B T D"], y: Float[Array, "
     raise ValueError(f"residual_norm adds y to x in x's dtype, so y must have x's shape and dtype {tuple(x.shape)} "
                      f"{x.dtype}; got {tuple(y.shape)} {y.dtype}")
   scale, bias = (jnp.asarray(v, dtype) for v in (ln.scale[...], bias))  # as flax promotes them
-  kernel, _ = kernels.resolve(kernel, x)
+  kernel, _ = ops.resolve(kernel, x)
   return _residual_norm(x, y, scale, bias, float(ln.epsilon), kernel, y is None)
 
 

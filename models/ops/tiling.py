@@ -8,7 +8,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+
+try:
+  from jax.experimental.pallas import triton as plgpu  # the kernels' loads, stores and compiler settings
+except ImportError:  # a jax without Pallas's Triton backend: models.ops.resolve never runs the kernels there
+  plgpu = None
 
 
 def lanes(d: int) -> int:

@@ -2,7 +2,7 @@
 
 Letters: C tokens in the chunk, V vocabulary, D model width.
 
-Why: models.softmax_grad reads each row of logits twice, once for its max and sum(exp) and once
+Why: models.ops.softmax_grad reads each row of logits twice, once for its max and sum(exp) and once
 to write softmax - onehot, since the softmax is not known before the sum is. But what follows it
 is two GEMMs (models.loss: dh = g @ w, dw = g^T @ h), and a row scale passes through both: with
 e = exp(x - c) for any shift c, 0 at the target, s = sum(exp(x - c)) over the whole row, r = 1 / s
@@ -14,29 +14,24 @@ and a = p(target) - 1 = -(s - exp(x_target - c)) / s,
 So this kernel writes e in the sweep that computes s and returns r and a; models.loss scales the
 (C, D) rows and applies the target's term in float32 (a gather of w's target rows, a scatter-add
 of h's rows into dw), small next to the (C, V) block. It reads the logits once instead of twice.
-On the H200, one (4096, 50304) bfloat16 chunk, each timed alone with its launch (50 calls, median):
-0.4008 ms against 0.5849 ms for models.softmax_grad (1024 logits a read, 4 warps; 2048 or 4096 a
-read, or 2 or 8 warps: 0.4225 to 0.4674 ms). Those timings are of this kernel when it wrote e - s
-at the target (rounded at the scale of s); it now writes 0 there and sums the other entries apart.
 
 The shift c is the max of a row's first BLOCK logits (the max of the whole row is not known
 before the sweep). Logits more than LIMIT above it would make e overflow; then the row is swept
-again with c its max (every sweep tracks it), as models.softmax_grad shifts. The output dtype
+again with c its max (every sweep tracks it), as models.ops.softmax_grad shifts. The output dtype
 must have float32's exponent range (bfloat16, float32): e can reach exp(LIMIT) and h / s can be
-as small as 1 / (V exp(LIMIT)); float16 takes models.softmax_grad.
+as small as 1 / (V exp(LIMIT)); float16 takes models.ops.softmax_grad.
 
-Numerics: each e is float32, rounded once to the output dtype, as models.softmax_grad rounds
+Numerics: each e is float32, rounded once to the output dtype, as models.ops.softmax_grad rounds
 softmax - onehot. The target's entry is never rounded: a is minus a float32 ratio of two float32
 sums, the other entries' and the whole row's, so p(target) - 1 keeps its relative precision however
 close p(target) comes to 1 (a confident prediction). Taking it as e_target * r - 1 after the GEMMs
-instead, with e_target rounded to bfloat16, loses it there: at 1 - p(target) = 4.7e-4, the target
-after the first block, the relative errors of dh and dw were 3.93 and 5.99, against 1.42e-3 and
-1.44e-3 now (tests/test_loss.py); rounding e - s at the target as a whole loses precision at a flat
-softmax instead. models.loss also rounds h / s to the compute dtype for dw's GEMM. A padding row
-(real 0) gets r = a = 0 and its row of e is left as computed (its logits are finite: padding h is
-0), so that the scalings zero it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
+instead, with e_target rounded to bfloat16, loses it there (tests/test_loss.py checks a confident
+prediction); rounding e - s at the target as a whole loses precision at a flat softmax instead.
+models.loss also rounds h / s to the compute dtype for dw's GEMM. A padding row (real 0) gets
+r = a = 0 and its row of e is left as computed (its logits are finite: padding h is 0), so that
+the scalings zero it. nll is -log softmax(x)[target] = log s - (x_target - c), float32.
 
-models.kernels says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any
+models.ops.resolve says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any
 backend (slowly), which is how the CPU tests check it.
 """
 
@@ -47,13 +42,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from models import tiling
+from models.ops import tiling
+from models.ops.tiling import plgpu
 
 BLOCK = 1024  # logits per row read at a time (a power of two, as Triton's blocks must be)
-WARPS = 4
+WARPS = 4  # Triton warps per program; BLOCK and WARPS are the fastest tried on an H200 at GPT-2's vocabulary
 LIMIT = 40.0  # the most the row's max may exceed the shift c: e <= exp(40) = 2.4e17, s <= V exp(40)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))  # output dtypes with float32's exponent range
 
@@ -67,7 +62,7 @@ def softmax_scaled(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: 
   target lies outside [0, V) (unchecked under jit) gets a NaN loss."""
   if jnp.dtype(out_dtype) not in DTYPES:
     raise ValueError(f"out_dtype must be bfloat16 or float32 (float32's exponent range: e reaches exp({LIMIT})); "
-                     f"got {jnp.dtype(out_dtype)}. float16 takes models.softmax_grad")
+                     f"got {jnp.dtype(out_dtype)}. float16 takes models.ops.softmax_grad")
   kernel = functools.partial(_kernel, blocks=-(-logits.shape[1] // BLOCK))
   return tiling.row_call(kernel, logits, targets, real, out_dtype, 3, warps=WARPS, interpret=interpret)
 

@@ -4,24 +4,16 @@ Letters: C tokens in the chunk, V vocabulary.
 
 Why: models.loss computes, for each (C, V) block of logits, every row's max and sum(exp)
 and then softmax - onehot. As XLA fusions that is a variadic reduction and an elementwise
-pass; on the H200, for gpt2-small's 8 chunks of (4096, 50304) bfloat16 logits per step they
-took 1.94 ms and 2.36 ms, about twice the HBM time of reading the logits twice and writing
-the gradient once. This kernel gives each row one program: an online max / sum(exp) over the
-row, then a second sweep that writes softmax - onehot and collects the target's logit. Same
-float32 arithmetic as models.loss's XLA path; only the order of the row sums differs. It took
-0.381 ms a chunk there, against 0.505 ms; two reads and one write of the chunk at HBM speed
-would take about 0.26 ms (the second read does not come from L2: a 100 KB row per program and
-thousands of programs in flight do not fit). Holding the whole row in registers instead (one
-read) spilled and ran 1.6 ms or more. A persistent grid, 132 to 528 programs each walking rows
-pid, pid + P, ... (fewer rows in flight, so that the second sweep might come from L2), was no
-faster: 0.6064 to 1.4426 ms over 30 settings of programs, BLOCK, warps and stages, against
-0.5915 ms for this kernel, each timed alone in one process, one call per timing (so with the
-launch, which the 0.381 ms above, from a profile, leaves out).
+pass, each reading the logits. This kernel gives each row one program: an online max / sum(exp)
+over the row, then a second sweep that writes softmax - onehot and collects the target's logit.
+Same float32 arithmetic as models.loss's XLA path; only the order of the row sums differs. The
+second sweep reads the row from HBM again (a row per program and thousands of programs in flight
+do not fit in L2); holding the whole row in registers instead spills. models.ops.softmax_onepass
+reads the logits once, and takes every output dtype but float16, which takes this kernel.
 
-models.kernels says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any backend
-(slowly), which is how the CPU tests check it.
+models.ops.resolve says where it can run (a CUDA GPU); `interpret=True` runs the same kernel on any
+backend (slowly), which is how the CPU tests check it.
 """
-
 from __future__ import annotations
 
 import functools
@@ -29,14 +21,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from models import tiling
+from models.ops import tiling
+from models.ops.tiling import plgpu
 
 BLOCK = 2048  # logits per row read at a time (a power of two, as Triton's blocks must be)
-WARPS = 4  # On the H200, for a (4096, 50304) bfloat16 chunk: 0.381 ms against 0.505 ms for the XLA fusions;
-# 1024 or 4096 logits a read, 8 or 16 warps, or the second sweep run backwards were as fast or slower.
+WARPS = 4  # Triton warps per program; BLOCK and WARPS are the fastest tried on an H200 at GPT-2's vocabulary
 
 
 def softmax_grad(logits: Float[Array, "C V"], targets: Int[Array, "C"], real: Float[Array, "C"], out_dtype, *,

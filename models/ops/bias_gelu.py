@@ -6,18 +6,13 @@ Why: the bias add and GELU are passes over the (N, F) hidden activation, the ste
 the logits. As one op, the forward reads z once and writes gelu(z + b); the backward keeps z and
 b (as a plain GELU keeps its input) and recomputes z + b, so nothing else of size (N, F) is
 saved. On a GPU both directions are Pallas (Triton) kernels: the forward computes the float32
-exp and division faster than XLA's fusion, and the backward writes dz once while each program
-keeps its rows' bias-gradient sums in registers (XLA's fusion for the same is slower). Elsewhere,
-or with kernel="xla", the same float32 formula runs as XLA fusions (models.kernels picks).
-
-In the whole gpt2-small cudnn step on the H200 (B=32, T=1024), alternated in one process for 10
-rounds with the step before this op and models.norm_fwd, the median was 62.76 ms with both against 62.74 ms:
-the step runs at the board's power limit, and the time these kernels save alone does not show.
+exp and division in one pass, and the backward writes dz once while each program keeps its rows'
+bias-gradient sums in registers. Elsewhere, or with kernel="xla", the same float32 formula runs as
+XLA fusions (models.ops.resolve picks).
 
 Numerics: z + b is formed in float32 (not rounded to z's dtype first), gelu and its derivative
-are models.gelu's, each output is rounded once to its dtype; db is a float32 sum over rows.
+are models.ops.gelu's, each output is rounded once to its dtype; db is a float32 sum over rows.
 """
-
 from __future__ import annotations
 
 import functools
@@ -25,25 +20,26 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
-from models import gelu, kernels, tiling
+from models import ops
+from models.ops import gelu, tiling
+from models.ops.tiling import plgpu
 
 FWD_TILE = (8, 1024)  # rows x features per forward program (powers of two; the rest masked)
 BWD_TILE = (4, 1024)  # rows x features per backward step; each program walks a contiguous run of row tiles
 BWD_PROGRAMS = 256  # at most, along the rows; each writes one (F,) partial of db per feature block
-WARPS = 4
-# On the H200, gpt2-small's (32768, 3072) bfloat16: forward 0.1090 ms against 0.1453 ms for XLA's fusion of the
-# same formula ((4, 1024), (16, 512), (2, 2048), (8, 2048) tiles: 0.1114 to 0.1859 ms); backward 0.1981 ms against
-# 0.3450 ms (six other tiles and 128 to 1024 programs: 0.2062 to 0.2150 ms).
+WARPS = 4  # Triton warps per program
+# The tiles, program count and warps are the fastest of those tried on an H200 at gpt2-small's MLP width.
 
 
 def bias_gelu(z: Float[Array, "... F"], b: Float[Array, "F"], *, kernel: str = "auto") -> Float[Array, "... F"]:
-  """gelu(z + b) (models.gelu's tanh approximation) in z's dtype; differentiable in z and b (reverse mode).
+  """gelu(z + b) (models.ops.gelu's tanh approximation) in z's dtype; differentiable in z and b (reverse mode).
 
-  z: the first MLP GEMM's output without its bias; b: that bias in the compute dtype (as flax promotes
-  it, e.g. `fc.bias[...].astype(z.dtype)`). kernel: as models.kernels (default "auto").
+  Args:
+    z: the first MLP GEMM's output without its bias.
+    b: that bias in the compute dtype (as flax promotes it, e.g. `fc.bias[...].astype(z.dtype)`).
+    kernel: one of models.ops.KERNELS; "auto" (the default) as models.ops.resolve picks.
   """
   if b.ndim != 1 or z.ndim < 1 or z.shape[-1] != b.shape[0]:
     raise ValueError(f"bias_gelu wants z (..., F) and b (F,) with the same F; got z {tuple(z.shape)}, b "
@@ -52,7 +48,7 @@ def bias_gelu(z: Float[Array, "... F"], b: Float[Array, "F"], *, kernel: str = "
     raise ValueError(f"bias_gelu takes floating-point z and b; got {z.dtype} and {b.dtype}")
   if z.size == 0:
     raise ValueError(f"bias_gelu wants at least one row and one feature; got z {tuple(z.shape)}")
-  kernel, _ = kernels.resolve(kernel, z)
+  kernel, _ = ops.resolve(kernel, z)
   return _bias_gelu(z, b, kernel)
 
 
@@ -83,20 +79,23 @@ _bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
 
 def gelu_of_gemm(z: Float[Array, "... F"], *, kernel: str = "auto") -> Float[Array, "... F"]:
   """gelu(z) in z's dtype for z the output of a plain XLA GEMM with no bias (an MLP without biases);
-  differentiable in z (reverse mode). kernel: as models.kernels (default "auto").
+  differentiable in z (reverse mode).
 
   With the Pallas kernels ("pallas", "interpret") the forward is jax.nn.gelu's tanh form on z, the pattern
   XLA's GEMM rewriter puts in the GEMM's cuBLASLt epilogue on a GPU ("GELU_AUX": the GEMM writes gelu(z)
   and z, which the backward keeps, and no pass of its own reads z); the backward is bias_gelu's Pallas
-  kernel with a zero bias. On the H200 at gpt2-small's (32768, 768) x (768, 3072) bfloat16, GEMM + GELU
-  took 0.4439 ms this way against 0.4725 ms for the GEMM then bias_gelu's forward kernel. Behind any other
-  producer (a TE FP8 GEMM) nothing fuses and XLA's pass is slower than bias_gelu's: use bias_gelu there.
-  With "xla" this is bias_gelu with a zero bias. Numerics: in the epilogue GELU is taken of the float32
-  accumulator and rounded once; elsewhere of z, in XLA's float32 fusion of the bfloat16 formula.
+  kernel with a zero bias. Behind any other producer (a TE FP8 GEMM) nothing fuses, and XLA's pass costs
+  more than bias_gelu's kernel: use bias_gelu there. With "xla" this is bias_gelu with a zero bias.
+  Numerics: in the epilogue GELU is taken of the float32 accumulator and rounded once; elsewhere of z, in
+  XLA's float32 fusion of the bfloat16 formula.
+
+  Args:
+    z: a bias-free GEMM's output.
+    kernel: one of models.ops.KERNELS; "auto" (the default) as models.ops.resolve picks.
   """
   if not jnp.issubdtype(z.dtype, jnp.floating) or z.size == 0:
     raise ValueError(f"gelu_of_gemm takes a non-empty floating-point z; got {z.dtype} {tuple(z.shape)}")
-  kernel, _ = kernels.resolve(kernel, z)
+  kernel, _ = ops.resolve(kernel, z)
   return _gelu_of_gemm(z, kernel)
 
 
