@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 import attnlayers
-from attnlayers import cli
+from train import flags as cli
 import models
 from benchmarks import common, decode_report
 from models import generate

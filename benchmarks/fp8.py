@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import attnlayers
-from attnlayers import cli
+from train import flags as cli
 from attnlayers.backends import _fp8_core, _fp8_delayed
 from attnlayers.fp8 import FP8Meta, FP8Recipe, TEFp8DotGeneral
 from attnlayers.nnx import MultiHeadAttention

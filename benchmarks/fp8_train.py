@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 import models
-from attnlayers import cli
+from train import flags as cli
 from models import plans
 from benchmarks import common, report
 from train import loop, metrics

@@ -30,7 +30,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import attnlayers
-from attnlayers import cli
+from train import flags as cli
 from attnlayers.fp8 import FP8Recipe
 from attnlayers.nnx import MultiHeadAttention
 from benchmarks import common, flops, packing, report, wrapper

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import attnlayers
-from attnlayers import cli
+from train import flags as cli
 import models
 from models import plans
 from benchmarks import clocks, common, report, trace, train

@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 
 import attnlayers
-from attnlayers import cli
+from train import flags as cli
 import models
 from benchmarks import common
 from attnlayers.fp8 import FP8Meta

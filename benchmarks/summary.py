@@ -10,7 +10,7 @@ import json
 import os
 import re
 
-from attnlayers import cli
+from train import flags as cli
 from benchmarks import report
 
 

@@ -28,7 +28,7 @@ import json
 import os
 import re
 
-from attnlayers import cli
+from train import flags as cli
 
 
 FAMILIES = [  # first match wins

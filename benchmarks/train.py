@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import attnlayers
-from attnlayers import cli
+from train import flags as cli
 import models
 from benchmarks import clocks, common, flops, report
 from train import metrics

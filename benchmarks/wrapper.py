@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attnlayers
-from attnlayers import cli
+from train import flags as cli
 from benchmarks import common, report
 
 

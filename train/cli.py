@@ -28,7 +28,7 @@ import jax
 
 import attnlayers
 from attnlayers import spec
-from attnlayers.cli import Help, Parser, int_at_least, positive_float
+from train.flags import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
 from train import checkpoint, config, data, hosts, lock, loop, metrics, report, sample, signals, undo
