@@ -31,7 +31,8 @@ from attnlayers import spec
 from train.flags import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, data, hosts, lock, loop, metrics, report, sample, signals, undo
+from train import checkpoint, config, data, hosts, lock, loop, metrics, report, signals, undo
+from train import tokenizers as sample
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample

@@ -43,7 +43,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from train import lock, packing, sample, stepdirs
+from train import lock, packing, stepdirs
+from train import tokenizers as sample
 
 DEFAULT_NAME = "python-stdlib"  # the default data's name (not a path)
 CONTENT_MIB = 1 << 20  # bytes of each end of a file that Dataset.content hashes

@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 
 import models
 from models import kernels
-from train import checkpoint, data, hosts, metrics, report, sample, signals, stepdirs, undo
+from train import checkpoint, data, hosts, metrics, report, signals, stepdirs, undo
+from train import tokenizers as sample
 from train.config import PROFILE_WINDOW, TrainConfig, outputs_read_as_data
 from train.step import Model, build, lr
 

@@ -12,7 +12,8 @@ from flax import nnx
 import attnlayers
 import models
 from models import generate, kernels, plans
-from train import data, metrics, sample
+from train import data, metrics
+from train import tokenizers as sample
 from train.config import TrainConfig
 
 if TYPE_CHECKING:
