@@ -2,7 +2,8 @@
 that moved (train.loop's STEP_COMPILER_OPTIONS went to train.step) broke the GPU tests' imports, which a CPU run
 skips at run time but still collects, and a collection error stops the whole suite before any test runs.
 
-The packages import downwards only, benchmarks and sample -> train -> models -> attnlayers, so the library stands
+Only the library is installed (pip install . puts attnlayers alone into site-packages); the app runs from the
+checkout. The packages import downwards only, benchmarks and sample -> train -> models -> attnlayers, so the library stands
 alone, and no app module imports itself back through others (an import cycle), at module level or in a function.
 """
 
@@ -10,8 +11,10 @@ import ast
 import glob
 import importlib
 import os
+import tomllib
 
 import pytest
+import setuptools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = sorted(os.path.relpath(p, ROOT)[:-3].replace(os.sep, ".")
@@ -77,3 +80,12 @@ def test_no_import_cycles_among_the_modules():
   for name in sorted(GRAPH):
     visit(name, [name])
   assert not cycles, cycles
+
+
+def test_only_the_library_is_installed():
+  """The packages pyproject.toml's find rule gives setuptools are attnlayers's: models, train, sample and
+  benchmarks would land in site-packages as top-level packages, where they collide with other projects'."""
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    rule = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]
+  installed = setuptools.find_packages(ROOT, **rule)
+  assert "attnlayers" in installed and all(p.split(".")[0] == "attnlayers" for p in installed), installed
