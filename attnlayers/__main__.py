@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import attnlayers
-from attnlayers import backends, cli
+from attnlayers import backends
 
 
 FUSED = re.compile(r'custom_call_target="([^"]*(?:fmha|fused_attn|FusedAttn)[^"]*)"')
@@ -55,16 +56,36 @@ def fused_kernels(backend: str, q, k, v, causal: bool) -> list[str]:
   return sorted(set(FUSED.findall(jax.jit(step).lower(q, k, v).compile().as_text())))
 
 
+class _Parser(argparse.ArgumentParser):
+  """A bad flag is one line on stderr and exit code 2, before any work."""
+
+  def error(self, message: str):
+    print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+def _count(text: str) -> int:
+  """argparse type of a size flag: an int >= 1."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+  return value
+
+
 def parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m attnlayers", description=cli.description(__doc__), formatter_class=cli.Help)
-  one = cli.int_at_least(1)
-  p.add_argument("--batch", type=one, default=2, help="B, rows of the call")
-  p.add_argument("--seq-len", type=one, default=256, help="T = S, query and key positions per row")
-  p.add_argument("--heads", type=one, default=8, help="N, query heads")
-  p.add_argument("--kv-heads", type=one, default=2,
-                 help="K, key/value heads; must divide --heads (K = N: MHA, 1 < K < N: GQA, K = 1: MQA)")
-  p.add_argument("--head-dim", type=one, default=64, help="H, features per head")
-  p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16", help="of q, k and v")
+  p = _Parser(prog="python -m attnlayers", description=" ".join(__doc__.split("\n\n")[0].split()))
+  default = " (default: %(default)s)"
+  p.add_argument("--batch", type=_count, default=2, help="B, rows of the call" + default)
+  p.add_argument("--seq-len", type=_count, default=256, help="T = S, query and key positions per row" + default)
+  p.add_argument("--heads", type=_count, default=8, help="N, query heads" + default)
+  p.add_argument("--kv-heads", type=_count, default=2,
+                 help="K, key/value heads; must divide --heads (K = N: MHA, 1 < K < N: GQA, K = 1: MQA)" + default)
+  p.add_argument("--head-dim", type=_count, default=64, help="H, features per head" + default)
+  p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
+                 help="of q, k and v" + default)
   p.add_argument("--no-causal", dest="causal", action="store_false",
                  help="every query attends every key; default: causal (query i attends keys j <= i)")
   p.add_argument("--show-kernels", action="store_true",

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 import attnlayers
-from attnlayers import cli
+from train import flags
 import models
 from benchmarks import common, decode_report
 from models import generate
@@ -246,17 +246,17 @@ def sweep(s: dict, deadline: float | None, copy_gbps: float) -> list[dict]:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.decode", description=cli.description(__doc__))
+  p = flags.Parser(prog="python -m benchmarks.decode", description=flags.description(__doc__))
   p.add_argument("--quick", action="store_true", help="the tiny preset on a CPU-sized subset (what CI runs)")
   p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, help=f"default {' '.join(FULL['backends'])}")
   p.add_argument("--kv-heads", type=int, nargs="+", help="K values; each divides the preset's n_head (default 12 4 1)")
-  p.add_argument("--batches", type=cli.int_at_least(1), nargs="+", help="default 1 8 32 64 128 256")
-  p.add_argument("--contexts", type=cli.int_at_least(1), nargs="+", help="prompt tokens (default 512 2048 8192)")
-  p.add_argument("--ttft-context", type=cli.int_at_least(1), help="prompt tokens of the time-to-first-token points (default 1024; "
+  p.add_argument("--batches", type=flags.int_at_least(1), nargs="+", help="default 1 8 32 64 128 256")
+  p.add_argument("--contexts", type=flags.int_at_least(1), nargs="+", help="prompt tokens (default 512 2048 8192)")
+  p.add_argument("--ttft-context", type=flags.int_at_least(1), help="prompt tokens of the time-to-first-token points (default 1024; "
                  "128 with --quick)")
-  p.add_argument("--steps", type=cli.int_at_least(1), help="decode steps per timed call (default 64; 8 with --quick)")
-  p.add_argument("--calls", type=cli.int_at_least(1), help="timed calls per program (default 5; 3 with --quick)")
-  p.add_argument("--budget-s", type=cli.positive_float, help="seconds for the whole command: no point starts that would, at the "
+  p.add_argument("--steps", type=flags.int_at_least(1), help="decode steps per timed call (default 64; 8 with --quick)")
+  p.add_argument("--calls", type=flags.int_at_least(1), help="timed calls per program (default 5; 3 with --quick)")
+  p.add_argument("--budget-s", type=flags.positive_float, help="seconds for the whole command: no point starts that would, at the "
                  "last point's duration, end past them; those not run are rows saying so, and every file is written")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)

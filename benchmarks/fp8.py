@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import attnlayers
-from attnlayers import cli
+from train import flags
 from attnlayers.backends import _fp8_core, _fp8_delayed
 from attnlayers.fp8 import FP8Meta, FP8Recipe, TEFp8DotGeneral
 from attnlayers.nnx import MultiHeadAttention
@@ -171,14 +171,14 @@ def kernel_plans(core, layer) -> dict:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.fp8", description=cli.description(__doc__), formatter_class=cli.Help)
-  one = cli.int_at_least(1)
+  p = flags.Parser(prog="python -m benchmarks.fp8", description=flags.description(__doc__), formatter_class=flags.Help)
+  one = flags.int_at_least(1)
   p.add_argument("--core", nargs=4, type=one, default=[2, 8192, 32, 128], metavar=("B", "T", "N", "H"),
                  help="shape of the core rows, causal (te-fp8's FP8 core needs H 128, T a multiple of 128)")
   p.add_argument("--layer", nargs=4, type=one, default=[4, 4096, 4096, 32], metavar=("B", "T", "D", "N"),
                  help="shape of the layer rows: x (B, T, D), N heads of D / N features")
   p.add_argument("--calls", type=one, default=20, help="timed calls per row, after compilation and warm-up")
-  p.add_argument("--warmup", type=cli.int_at_least(0), default=3, help="untimed calls per row after compilation")
+  p.add_argument("--warmup", type=flags.int_at_least(0), default=3, help="untimed calls per row after compilation")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   D, N = a.layer[2:]

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 import models
-from attnlayers import cli
+from train import flags
 from models import plans
 from benchmarks import common, report
 from train import loop, metrics
@@ -51,8 +51,8 @@ def run(backend: str, a) -> list[dict]:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.fp8_train", description=cli.description(__doc__), formatter_class=cli.Help)
-  one = cli.int_at_least(1)
+  p = flags.Parser(prog="python -m benchmarks.fp8_train", description=flags.description(__doc__), formatter_class=flags.Help)
+  one = flags.int_at_least(1)
   p.add_argument("--preset", choices=list(models.PRESETS), default="tiny",
                  help=f"model shape (tiny: widened to {SMALL} unless given)")
   p.add_argument("--baseline", choices=["te", "cudnn"], default="te", help="the bf16 run te-fp8 is compared with")
@@ -62,7 +62,7 @@ def main(argv=None) -> None:
   p.add_argument("--d-model", type=one, help="model width; default: the preset's")
   p.add_argument("--seq-len", type=one, help="context length; default: the preset's")
   p.add_argument("--batch-size", type=one, default=16, help="global batch")
-  p.add_argument("--lr", type=cli.positive_float, default=1e-3, help="peak learning rate")
+  p.add_argument("--lr", type=flags.positive_float, default=1e-3, help="peak learning rate")
   p.add_argument("--log-every", type=one, default=10, help="steps between the loss records compared")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)

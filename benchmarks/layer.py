@@ -30,7 +30,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import attnlayers
-from attnlayers import cli
+from train import flags
 from attnlayers.fp8 import FP8Recipe
 from attnlayers.nnx import MultiHeadAttention
 from benchmarks import common, flops, packing, report, wrapper
@@ -276,8 +276,8 @@ def wrapper_overhead(rows: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.layer", description=cli.description(__doc__))
-  one = cli.int_at_least(1)
+  p = flags.Parser(prog="python -m benchmarks.layer", description=flags.description(__doc__))
+  one = flags.int_at_least(1)
   p.add_argument("--quick", action="store_true", help="a CPU-sized subset (what CI runs)")
   p.add_argument("--sections", nargs="+",
                  choices=["default", "seq", "batch", "heads", "headdim", *packing.SECTIONS],

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import attnlayers
-from attnlayers import cli
+from train import flags
 import models
 from models import plans
 from benchmarks import clocks, common, report, trace, train
@@ -95,11 +95,11 @@ def matmuls(n: int, sustain_calls: int) -> list[dict]:
 
 
 def main(argv=None) -> list[dict]:
-  p = cli.Parser(prog="python -m benchmarks.steady", description=cli.description(__doc__))
+  p = flags.Parser(prog="python -m benchmarks.steady", description=flags.description(__doc__))
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="cudnn")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
-  p.add_argument("--seq-len", type=cli.int_at_least(1), help="default: the preset's context (1024 for gpt2-small)")
-  p.add_argument("--batch-size", type=cli.int_at_least(1), default=32, help="rows of the step's batch (default 32)")
+  p.add_argument("--seq-len", type=flags.int_at_least(1), help="default: the preset's context (1024 for gpt2-small)")
+  p.add_argument("--batch-size", type=flags.int_at_least(1), default=32, help="rows of the step's batch (default 32)")
   p.add_argument("--warmup", type=int, default=10, help="steps run first, not reported as a result")
   p.add_argument("--steps", type=int, default=100, help="steps in each timed phase")
   p.add_argument("--trace-steps", type=int, default=10, help="steps in the traced phase")

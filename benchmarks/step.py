@@ -26,21 +26,21 @@ import optax
 from flax import nnx
 
 import attnlayers
-from attnlayers import cli
+from train import flags
 import models
 from benchmarks import common
 from attnlayers.fp8 import FP8Meta
-from models import kernels, plans
+from models import ops, plans
 from models.loss import head_cross_entropy
 from train import optim, report
 from train.step import STEP_COMPILER_OPTIONS, batch_loss
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.step", description=cli.description(__doc__))
+  p = flags.Parser(prog="python -m benchmarks.step", description=flags.description(__doc__))
   p.add_argument("--attn", choices=attnlayers.BACKENDS, default="auto")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small")
-  one = cli.int_at_least(1)
+  one = flags.int_at_least(1)
   p.add_argument("--seq-len", type=one, help="default: the preset's context (1024 for gpt2-small)")
   p.add_argument("--batch-size", type=one, default=32, help="rows of the timed batch (default 32)")
   p.add_argument("--kernels", choices=models.KERNELS, default="auto", help="the step's own GPU kernels")
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
   a.seq_len = models.PRESETS[a.preset].seq_len if a.seq_len is None else a.seq_len
   try:
     cfg = models.preset(a.preset, backend=a.attn, seq_len=a.seq_len, kernels=a.kernels)
-    kernels.resolve(a.kernels)  # kernels pallas off a CUDA GPU
+    ops.resolve(a.kernels)  # kernels pallas off a CUDA GPU
   except ValueError as e:
     p.error(str(e))
   common.refuse_unless_runnable({f"--attn {a.attn}": plans.attention_plans(cfg, a.batch_size, a.seq_len)},
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
           (0, 1))), wte, h, y),
   }
   print(json.dumps({"config": a.__dict__, "attention_ran": report.attention_ran(cfg, a.batch_size),
-                    "attention_notes": report.attention_notes(cfg, a.batch_size), "kernels": kernels.resolve(a.kernels),
+                    "attention_notes": report.attention_notes(cfg, a.batch_size), "kernels": ops.resolve(a.kernels),
                     "compiler_options": STEP_COMPILER_OPTIONS} | common.environment()))
   for name, t in parts.items():
     print(f"{name:>31}: {t.median_ms:8.2f} ms  (p10 {t.p10_ms:.2f}, p90 {t.p90_ms:.2f})")

@@ -10,7 +10,7 @@ import json
 import os
 import re
 
-from attnlayers import cli
+from train import flags
 from benchmarks import report
 
 
@@ -185,7 +185,7 @@ def _included(directory: str, rel: str, name: str, title: str) -> str:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.summary", description=cli.description(__doc__))
+  p = flags.Parser(prog="python -m benchmarks.summary", description=flags.description(__doc__))
   p.add_argument("directory", nargs="?", default="benchmarks/results/h200")
   p.add_argument("--out", default="benchmarks/RESULTS.md")
   p.add_argument("--note", help="a line to add under the header, e.g. versions the JSON files do not record")

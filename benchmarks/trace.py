@@ -28,7 +28,7 @@ import json
 import os
 import re
 
-from attnlayers import cli
+from train import flags
 
 
 FAMILIES = [  # first match wins
@@ -136,9 +136,9 @@ def op_kind(event: dict) -> str:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.trace", description=cli.description(__doc__))
+  p = flags.Parser(prog="python -m benchmarks.trace", description=flags.description(__doc__))
   p.add_argument("trace", help="perfetto_trace.json.gz, or a folder holding one")
-  p.add_argument("--steps", type=cli.int_at_least(1), default=5, help="steps in the trace, for per-step figures")
+  p.add_argument("--steps", type=flags.int_at_least(1), default=5, help="steps in the trace, for per-step figures")
   a = p.parse_args(argv)
   try:
     events = load(a.trace)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 import attnlayers
-from attnlayers import cli
+from train import flags
 import models
 from benchmarks import clocks, common, flops, report
 from train import metrics
@@ -116,8 +116,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.train", description=cli.description(__doc__))
-  one = cli.int_at_least(1)
+  p = flags.Parser(prog="python -m benchmarks.train", description=flags.description(__doc__))
+  one = flags.int_at_least(1)
   p.add_argument("--backends", nargs="+", choices=attnlayers.BACKENDS, default=["naive", "xla", "cudnn", "te", "te-fp8"],
                  help="one training run each; default: naive xla cudnn te te-fp8")
   p.add_argument("--preset", choices=list(models.PRESETS), default="gpt2-small", help="default: gpt2-small")
@@ -125,7 +125,7 @@ def main(argv=None) -> None:
                  help="default: the preset's context (1024 for gpt2-small)")
   p.add_argument("--batch-size", type=one, nargs="+", default=[32],
                  help="global batch; one value for every --seq-len, or one per --seq-len; default: 32")
-  p.add_argument("--steps", type=cli.int_at_least(2), default=40,
+  p.add_argument("--steps", type=flags.int_at_least(2), default=40,
                  help="steps per run, at least 2 (default 40): the first step compiles and no interval ends at it, so "
                       "the rate is the median of the reported intervals after the first")
   p.add_argument("--packing", nargs="+", choices=PACKINGS, default=["unpacked"],
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
                  help="the model with the preset's biases in its Linears and LayerNorms (GPT-2's), without any "
                       "(train --no-bias, nanoGPT's train.py default), or both side by side; default: with")
   p.add_argument("--data", help="train --data (default: the embedded corpus)")
-  p.add_argument("--run-timeout", type=cli.positive_float, default=300, help="seconds one training run may take")
+  p.add_argument("--run-timeout", type=flags.positive_float, default=300, help="seconds one training run may take")
   p.add_argument("--matmul-n", type=one,
                  help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, 512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attnlayers
-from attnlayers import cli
+from train import flags
 from benchmarks import common, report
 
 
@@ -133,8 +133,8 @@ def measure(backend, T, causal, pass_, N, H, B, rounds, calls) -> dict:
 
 
 def main(argv=None) -> None:
-  p = cli.Parser(prog="python -m benchmarks.wrapper", description=cli.description(__doc__), formatter_class=cli.Help)
-  one = cli.int_at_least(1)
+  p = flags.Parser(prog="python -m benchmarks.wrapper", description=flags.description(__doc__), formatter_class=flags.Help)
+  one = flags.int_at_least(1)
   p.add_argument("--backends", nargs="+", choices=list(RAW), default=list(RAW), help="the kernels compared")
   p.add_argument("--seqs", type=one, nargs="+", default=[1024, 4096, 16384], help="T = S values")
   p.add_argument("--shape", type=one, nargs=3, default=[2, 16, 128], metavar=("B", "N", "H"),

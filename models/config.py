@@ -127,28 +127,6 @@ def layer_kinds(window_pattern: str, n_layer: int) -> list[str]:
   return [kinds[i % len(kinds)] for i in range(n_layer)]
 
 
-def as_trained(arch: dict) -> tuple[dict, str]:
-  """A checkpoint's architecture (GPTConfig.architecture) as its model ran, and a note where that is not what it
-  records (else ""). An earlier trainer accepted two window patterns GPTConfig now refuses: one with more entries
-  than layers, whose extra entries applied to no layer (it reads as its first n_layer entries), and one that makes
-  none of the layers local, so the window applied to no layer and that model trained without one."""
-  window, n_layer = arch.get("window"), arch["n_layer"]
-  if window is None:
-    return arch, ""
-  pattern = arch.get("window_pattern", "local")
-  kinds = pattern.split(",")
-  if "local" not in layer_kinds(pattern, n_layer):
-    note = (f"the checkpoint's window ({window}) applied to none of its {n_layer} layers (window_pattern "
-            f"{pattern!r}): the model trained without a window, and is read as one")
-    return {k: v for k, v in arch.items() if k not in ("window", "window_pattern")}, note
-  if len(kinds) > n_layer:
-    ran = ",".join(kinds[:n_layer])
-    note = (f"the checkpoint's window_pattern {pattern!r} has {len(kinds)} entries for its {n_layer} layers; "
-            f"the layers used the first {n_layer}, so it is read as {ran!r}")
-    return arch | {"window_pattern": ran}, note
-  return arch, ""
-
-
 PRESETS: dict[str, GPTConfig] = {
     # byte-level, trains in seconds to minutes on 2 CPU cores
     "tiny": GPTConfig(vocab_size=256, seq_len=128, n_layer=2, n_head=4, n_kv_head=2, d_model=128,

@@ -1,1 +1,1 @@
-"""`python -m sample`: text from a model that `python -m train` saved (see train/sample_cli.py)."""
+"""`python -m sample`: text from a model that `python -m train` saved (see sample/cli.py)."""

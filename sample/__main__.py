@@ -1,3 +1,3 @@
-from train.sample_cli import main
+from sample.cli import main
 
 main()

@@ -12,7 +12,8 @@ from flax import nnx
 
 import models
 from tests import reference
-from train import checkpoint, sample_cli
+from sample import cli as sample_cli
+from train import checkpoint, reader
 from train.step import batch_loss
 from tests.test_train import SMALL, train_cli
 
@@ -70,14 +71,13 @@ def test_no_bias_trains_resumes_only_as_itself_and_restores(tmp_path):
 def test_sample_rebuilds_a_checkpoint_from_before_the_bias_setting_with_biases(tmp_path, monkeypatch):
   """A checkpoint whose architecture has no "bias" (written before it existed) is restored as a biased model."""
   assert train_cli(*SMALL, "--steps", "2", "--ckpt-dir", str(tmp_path / "c"))[0] == 0
-  read = sample_cli._read_only
+  read = reader.Reader.meta
 
-  def without_bias(directory, step, **items):  # the checkpoint's meta as an older trainer wrote it
-    out = read(directory, step, **items)
-    if "meta" in out:
-      out["meta"]["model"].pop("bias")
-    return out
-  monkeypatch.setattr(sample_cli, "_read_only", without_bias)
+  def without_bias(self, step):  # the checkpoint's meta as an older trainer wrote it
+    meta = read(self, step)
+    meta["model"].pop("bias")
+    return meta
+  monkeypatch.setattr(reader.Reader, "meta", without_bias)
   restored = sample_cli.restore(str(tmp_path / "c"), "xla")
   assert restored.model.cfg.bias is True and restored.model.blocks[0].fc.bias is not None
 

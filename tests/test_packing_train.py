@@ -17,7 +17,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -28,7 +27,8 @@ from tests import reference
 from tests.test_generate import GREEDY, forward, greedy_by_recomputation
 from tests.test_generate import config as generate_config
 from tests.test_generate import model as wandering_model
-from train import checkpoint, cli, data, packing, report, sample_cli
+from sample import cli as sample_cli
+from train import checkpoint, cli, data, packing, reader, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--log-every", "1"]
@@ -275,23 +275,24 @@ def test_a_checkpoint_of_the_old_default_pattern_resumes_and_samples(packed_run,
   --window-pattern resumes it, and python -m sample rebuilds its window on every layer."""
   now = {"model": models.preset("tiny", seq_len=32, window=8).architecture(), "seed": 0, "pack": True}
   assert checkpoint.check_meta(str(tmp_path), 3, now | {"model": OLD_DEFAULT_MODEL}, now) == {}
-  read = sample_cli._read_only
+  read = reader.Reader.meta
 
-  def old_record(directory, step, **items):  # python -m sample reads the old record, as it was written
-    got = read(directory, step, **items)
-    return got | {"meta": got["meta"] | {"model": OLD_DEFAULT_MODEL}} if "meta" in items else got
-  monkeypatch.setattr(sample_cli, "_read_only", old_record)
+  def old_record(self, step):  # python -m sample reads the old record, as it was written
+    return read(self, step) | {"model": OLD_DEFAULT_MODEL}
+  monkeypatch.setattr(reader.Reader, "meta", old_record)
   restored = sample_cli.restore(str(packed_run[0]), "auto")
   assert restored.model.cfg.window_pattern == "local"
   assert [b.attn.sliding_window for b in restored.model.blocks] == [(7, 0), (7, 0)]
   monkeypatch.undo()
   folder = tmp_path / "c"
   shutil.copytree(packed_run[0], folder)  # this trainer's checkpoint records the same model (asserted next)
-  assert sample_cli._read_only(str(folder), 3, meta=ocp.args.JsonRestore())["meta"]["model"] == OLD_DEFAULT_MODEL
+  with reader.Reader(str(folder)) as read:
+    assert read.meta(3)["model"] == OLD_DEFAULT_MODEL
   cli.main([*TINY, "--pack", "--window", "8", "--steps", "4", "--allow-change", "steps", "--eval-every", "0",
             "--sample-tokens", "0", "--ckpt-dir", str(folder)])
   assert f"resumed from {folder} at step 3" in capsys.readouterr().out
-  assert sample_cli.newest_intact(str(folder)) == 4
+  with reader.Reader(str(folder)) as read:
+    assert read.newest_intact() == 4
 
 
 def test_a_checkpoint_from_before_packing_resumes_unpacked_only(tmp_path):

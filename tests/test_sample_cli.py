@@ -20,7 +20,8 @@ from flax import nnx
 import models
 import models.generate
 from tests.test_train import write_shard
-from train import checkpoint, cli, hosts, lock, loop, sample, sample_cli, stepdirs
+from sample import cli as sample_cli
+from train import checkpoint, cli, hosts, lock, loop, reader, stepdirs, tokenizers
 
 TRAIN = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "4", "--ckpt-every", "2",
          "--no-progress", "--eval-every", "0", "--log-every", "1", "--sample-tokens", "8"]
@@ -221,9 +222,9 @@ def test_prompts_of_gpt2_tokens_need_tiktoken():
     import tiktoken  # noqa: F401
   except ImportError:
     with pytest.raises(ValueError, match=r"needs tiktoken \(pip install tiktoken\)"):
-      sample.encode("hi", sample.GPT2)
+      tokenizers.encode("hi", tokenizers.GPT2)
   else:
-    assert len(sample.encode("hi", sample.GPT2)) >= 1
+    assert len(tokenizers.encode("hi", tokenizers.GPT2)) >= 1
 
 
 def test_the_sample_command_after_gpt2_shards_says_it_needs_tiktoken_where_it_is_missing(tmp_path, monkeypatch,
@@ -251,10 +252,10 @@ def test_the_sample_command_after_gpt2_shards_says_it_needs_tiktoken_where_it_is
 
 
 def test_the_tokenizer_is_the_datas_and_the_vocabulary_decides_only_where_the_checkpoint_does_not_say():
-  assert sample_cli.tokenizer({"data": "/d/book.txt"}, 50304) == sample.BYTES  # text data: bytes, whatever the vocab
-  assert sample_cli.tokenizer({"data": "python-stdlib"}, 512) == sample.BYTES
-  assert sample_cli.tokenizer({"data": "/d/fineweb_*.bin"}, 50304) == sample.GPT2
-  assert sample_cli.tokenizer({}, 256) == sample.BYTES and sample_cli.tokenizer({}, 50304) == sample.GPT2
+  assert sample_cli.tokenizer({"data": "/d/book.txt"}, 50304) == tokenizers.BYTES  # text data: bytes, whatever the vocab
+  assert sample_cli.tokenizer({"data": "python-stdlib"}, 512) == tokenizers.BYTES
+  assert sample_cli.tokenizer({"data": "/d/fineweb_*.bin"}, 50304) == tokenizers.GPT2
+  assert sample_cli.tokenizer({}, 256) == tokenizers.BYTES and sample_cli.tokenizer({}, 50304) == tokenizers.GPT2
   with pytest.raises(ValueError, match="does not record the data .* there is no tokenizer for a vocabulary of 1000: prompts"):
     sample_cli.tokenizer({}, 1000)
   with pytest.raises(ValueError, match=r"trained on GPT-2 BPE tokens \(ids up to 50256\), more than its "
@@ -266,9 +267,9 @@ def test_a_prompt_that_is_not_utf8_reaches_a_byte_model_as_its_bytes():
   """Bytes on the command line that are not UTF-8 arrive as lone surrogates (surrogateescape); they ended in
   "error: 'utf-8' codec can't encode characters in position 0-1: surrogates not allowed"."""
   text = b"a\xff\xfeb".decode("utf-8", errors="surrogateescape")  # what sys.argv holds for those bytes
-  np.testing.assert_array_equal(sample.encode(text, sample.BYTES), [0x61, 0xFF, 0xFE, 0x62])
+  np.testing.assert_array_equal(tokenizers.encode(text, tokenizers.BYTES), [0x61, 0xFF, 0xFE, 0x62])
   with pytest.raises(ValueError, match="the prompt is not valid UTF-8 text .* give the prompt as UTF-8"):
-    sample.encode(text, sample.GPT2)
+    tokenizers.encode(text, tokenizers.GPT2)
 
 
 def test_a_prompt_file_that_is_not_utf8_reaches_a_byte_model_as_its_bytes(trained, tmp_path, capsys):
@@ -282,7 +283,7 @@ def test_a_prompt_file_that_is_not_utf8_reaches_a_byte_model_as_its_bytes(traine
 
 
 def test_ids_a_tokenizer_lacks_read_as_the_replacement_character():
-  assert sample.decode([104, 105, 300, 33], sample.BYTES) == "hi\ufffd!"
+  assert tokenizers.decode([104, 105, 300, 33], tokenizers.BYTES) == "hi\ufffd!"
 
 
 @pytest.mark.parametrize("vocab", [512, 50304])
@@ -319,7 +320,7 @@ def _hand_made(directory, vocab: int) -> str:
 
 
 def test_a_model_without_a_data_record_and_fewer_ids_than_bytes_samples_from_its_own(tmp_path, capsys, monkeypatch):
-  """vocab_size 64 and no data in the meta: its vocabulary picks bytes (sample.for_vocab), whose 256 ids it lacks.
+  """vocab_size 64 and no data in the meta: its vocabulary picks bytes (tokenizers.for_vocab), whose 256 ids it lacks.
   It was refused ("real_vocab (256) must be <= the model's vocab_size (64)"); it now draws from its 64 ids only,
   and a prompt byte past them is refused naming both."""
   drawn = []  # (real_vocab, the tokens generated) of each call
@@ -504,11 +505,8 @@ def test_a_checkpoint_folder_process_0_cannot_use_stops_every_process_with_its_r
 
 def _with_meta(monkeypatch, change):
   """Makes python -m sample read the checkpoint's meta as `change(meta)` returns it."""
-  read = sample_cli._read_only
-  def patched(directory, step, **items):
-    got = read(directory, step, **items)
-    return got | {"meta": change(dict(got["meta"]))} if "meta" in items else got
-  monkeypatch.setattr(sample_cli, "_read_only", patched)
+  read = reader.Reader.meta
+  monkeypatch.setattr(reader.Reader, "meta", lambda self, step: change(dict(read(self, step))))
 
 
 def test_a_window_that_applied_to_no_layer_is_sampled_as_trained_without_one(trained, monkeypatch, capsys):

@@ -9,39 +9,30 @@ dropped, or starts afresh; FP8 state this model keeps and an earlier attnlayers 
 (te-fp8's core amax history) starts afresh, and the rest is restored. The batch of step s
 depends only on (seed, s), packed or not, so the step is the data position.
 
-orbax's CheckpointManager is not used: it takes every numeric folder for a step (it would
-rotate a user's folder `7` away, and skip saves below a foreign `700`), while orbax's
-Checkpointer writes exactly the folder it is given. A lock (train.lock) keeps a second
-trainer out of the folder.
+Reading goes through train.reader, which python -m sample uses too; what a checkpoint that
+an earlier trainer wrote means today (ABSENT_*, as_trained) is decided here. orbax's
+CheckpointManager is not used: it takes every numeric folder for a step (it would rotate a
+user's folder `7` away, and skip saves below a foreign `700`), while orbax's Checkpointer
+writes exactly the folder it is given. A lock (train.lock) keeps a second trainer out of
+the folder.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-import models
+from models.config import layer_kinds
 from train import data, hosts, lock, stepdirs, undo
+from train.reader import CheckpointError, Reader, say as _say
 
 
 class ResumeMismatchError(ValueError):
   pass
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint folder this run cannot use or write; the message says what to do."""
-
-
-def _say(message: str) -> None:
-  if jax.process_index() == 0:
-    print(message, file=sys.stderr, flush=True)
-
-
 
 
 class Checkpoints:
@@ -56,8 +47,9 @@ class Checkpoints:
     self.lock = lock.DirLock(self.directory)
     hosts.on_process_0(lambda: self._open(directory), errors=(CheckpointError, lock.LockedError),
                        default=CheckpointError)  # a failure stops every process
-    self.checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+    self.checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(  # saves; reading goes through self.reader
         state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler(), fp8=ocp.StandardCheckpointHandler()))
+    self.reader = Reader(self.directory)
 
   def _open(self, directory: str) -> None:
     """Process 0: makes and locks the folder, probes that it can write there, and tidies what a stopped save left."""
@@ -143,7 +135,7 @@ class Checkpoints:
 
   def meta(self, step: int) -> dict:
     """What step `step` recorded about its run (check_meta reads it)."""
-    return self._restore_items(stepdirs.step_path(self.directory, step), meta=ocp.args.JsonRestore())["meta"]
+    return self.reader.meta(step)
 
   def check_resume(self, step: int, expected_meta: dict, allow_change=()) -> dict:
     """The changes `allow_change` accepts (check_meta); ResumeMismatchError if step `step` is another run's."""
@@ -151,52 +143,21 @@ class Checkpoints:
 
   def restore(self, step: int, like: dict) -> dict:
     """The state saved at `step`; `like` gives its structure, shapes and shardings."""
-    path = stepdirs.step_path(self.directory, step)
     plain = {k: v for k, v in like.items() if k != "fp8"}
-    self._check_shapes(path, step, plain)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, plain)
-    state = dict(self._restore_items(path, state=ocp.args.StandardRestore(abstract))["state"])
+    self._check_shapes(step, plain)
+    state = self.reader.state(step, plain)
     if "fp8" in like:
       state["fp8"] = like["fp8"]
-      if like["fp8"] and os.path.isdir(os.path.join(path, "fp8")):
-        state["fp8"] = self._restore_fp8(path, step, like["fp8"])
+      if like["fp8"] and self.reader.has_fp8(step):
+        state["fp8"] = self.reader.fp8(step, like["fp8"])
       elif like["fp8"]:
         _say(f"checkpoint step {step} has no FP8 scaling state (another backend wrote it): FP8 scaling starts afresh")
     self.last_good = step
     return state
 
-  def _restore_fp8(self, path: str, step: int, like):
-    """The saved FP8 scaling state in `like`'s structure. Arrays this model has and the checkpoint lacks, or holds
-    in another shape (it was written by an earlier attnlayers, whose te-fp8 kept less state), start afresh and a
-    line says which; the rest is restored exactly."""
-    saved = _one_line(f"read the FP8 metadata in {path}",
-                      lambda: self.checkpointer.metadata(path).item_metadata["fp8"].tree)
-    saved = ocp.tree.to_flat_dict(saved)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-    keys = [_names(p) for p, _ in leaves]
-    fits = {k for k, (_, x) in zip(keys, leaves)
-            if k in saved and tuple(saved[k].shape) == tuple(x.shape) and np.dtype(saved[k].dtype) == np.dtype(x.dtype)}
-    if fits == set(keys) == set(saved):
-      target = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-      return self._restore_items(path, fp8=ocp.args.StandardRestore(target))["fp8"]
-    sharding = leaves[0][1].sharding  # FP8 state is replicated
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding),
-                          ocp.tree.from_flat_dict(saved))
-    restored = ocp.tree.to_flat_dict(self._restore_items(path, fp8=ocp.args.StandardRestore(target))["fp8"])
-    fresh = [".".join(k) for k in keys if k not in fits]
-    _say(f"checkpoint step {step} holds no FP8 scaling state for {', '.join(fresh)} in this model's shapes (an "
-         "earlier attnlayers wrote it): that state starts afresh, the rest is restored")
-    return jax.tree_util.tree_unflatten(treedef, [restored[k] if k in fits else x for k, (_, x) in zip(keys, leaves)])
-
-  def _restore_items(self, path: str, **items) -> dict:
-    return _one_line(f"restore {', '.join(items)} from {path}",
-                     lambda: self.checkpointer.restore(path, args=ocp.args.Composite(**items)))
-
-  def _check_shapes(self, path: str, step: int, like: dict) -> None:
+  def _check_shapes(self, step: int, like: dict) -> None:
     """One line naming the first array whose shape or dtype differs, instead of orbax's dump."""
-    saved = _one_line(f"read the array metadata in {path}",
-                      lambda: self.checkpointer.metadata(path).item_metadata["state"].tree)
-    saved = ocp.tree.to_flat_dict(saved)
+    saved = self.reader.saved(step, "state")
     want = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(jax.tree.map(ocp.utils.to_shape_dtype_struct, like),
                                                          keep_empty_nodes=True))
     describe = lambda x: f"{tuple(x.shape)} {np.dtype(x.dtype).name}" if hasattr(x, "shape") else "absent"
@@ -218,21 +179,8 @@ class Checkpoints:
 
   def close(self) -> None:
     self.checkpointer.close()
+    self.reader.close()
     self.lock.release()
-
-
-def _names(path) -> tuple[str, ...]:
-  """A jax key path as the names orbax files its arrays under: ('blocks', '0', 'attn', 'fp8_core', 'value')."""
-  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
-
-def _one_line(what: str, call):
-  """orbax's and tensorstore's errors run to hundreds of lines; this keeps the first."""
-  try:
-    return call()
-  except Exception as e:
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    raise CheckpointError(f"cannot {what}: {type(e).__name__}: {first}") from None
 
 
 # What a checkpoint written before a meta key existed meant by its absence: it trained unpacked, its model had
@@ -243,6 +191,34 @@ ABSENT_MODEL = {"bias": True}
 ABSENT_RUN = {"lr_schedule": "warm-up lr * s / warmup, cosine to lr / 10 after the last step",
               "decay_rule": "every parameter of 2 or more dimensions (the q/k/v biases too)"}
 ABSENT_FIELDS = {"model": ABSENT_MODEL, "run": ABSENT_RUN}  # by the meta key whose dict holds them
+
+
+def as_trained(arch: dict) -> tuple[dict, str]:
+  """A checkpoint's architecture (GPTConfig.architecture) as its model ran, and a note where that is not what it
+  records (else ""). An earlier trainer accepted two window patterns GPTConfig now refuses: one with more entries
+  than layers, whose extra entries applied to no layer (it reads as its first n_layer entries), and one that makes
+  none of the layers local, so the window applied to no layer and that model trained without one."""
+  window, n_layer = arch.get("window"), arch["n_layer"]
+  if window is None:
+    return arch, ""
+  pattern = arch.get("window_pattern", "local")
+  kinds = pattern.split(",")
+  if "local" not in layer_kinds(pattern, n_layer):
+    note = (f"the checkpoint's window ({window}) applied to none of its {n_layer} layers (window_pattern "
+            f"{pattern!r}): the model trained without a window, and is read as one")
+    return {k: v for k, v in arch.items() if k not in ("window", "window_pattern")}, note
+  if len(kinds) > n_layer:
+    ran = ",".join(kinds[:n_layer])
+    note = (f"the checkpoint's window_pattern {pattern!r} has {len(kinds)} entries for its {n_layer} layers; "
+            f"the layers used the first {n_layer}, so it is read as {ran!r}")
+    return arch | {"window_pattern": ran}, note
+  return arch, ""
+
+
+def architecture(meta: dict) -> tuple[dict, str]:
+  """The GPTConfig fields of the model a checkpoint's `meta` records, as it ran: fields it lacks as their absence
+  meant (ABSENT_MODEL), its window as the layers read it (as_trained); and as_trained's note."""
+  return as_trained(ABSENT_MODEL | dict(meta["model"]))
 
 
 # The trainer's flags that set an architecture field, named where a resume finds it changed.
@@ -288,7 +264,7 @@ def check_meta(directory: str, step: int, saved: dict, expected: dict, allow_cha
         accepted[key] = {"from": a, "to": b}
       continue
     if key == "model" and isinstance(a, dict) and "n_layer" in a:
-      a = models.config.as_trained(a)[0]  # a window pattern GPTConfig now refuses, as the model ran
+      a = as_trained(a)[0]  # a window pattern GPTConfig now refuses, as the model ran
     if isinstance(a, dict) and isinstance(b, dict) and key != "data_content":
       for k in sorted(set(a) | set(b)):
         was = a.get(k, ABSENT_FIELDS.get(key, {}).get(k))

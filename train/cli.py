@@ -28,10 +28,10 @@ import jax
 
 import attnlayers
 from attnlayers import spec
-from attnlayers.cli import Help, Parser, int_at_least, positive_float
+from train.flags import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, data, hosts, lock, loop, metrics, overlap, report, sample, signals, undo
+from train import checkpoint, config, data, hosts, lock, loop, metrics, overlap, report, signals, tokenizers, undo
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -178,7 +178,7 @@ def _sample_command(ckpt_dir: str, prompt: str | None, tokenizer: str) -> str:
   """How to sample from `ckpt_dir`: the python -m sample command, prompted with the first line of `prompt` (up to 40
   characters). Where python -m sample cannot take the model's tokens here (GPT-2 BPE without tiktoken), what it
   needs first, and no prompt: the end-of-run sample's, decoded without tiktoken, is token ids, not text."""
-  needs = sample.missing(tokenizer)
+  needs = tokenizers.missing(tokenizer)
   line = "" if needs else next((l.strip() for l in (prompt or "").splitlines() if l.strip()), "")[:40]
   command = f"python -m sample --ckpt-dir {shlex.quote(ckpt_dir)}" + (f" --prompt {shlex.quote(line)}" if line else "")
   return f"sample from it ({needs}) with:\n  {command}" if needs else f"sample from it with:\n  {command}"

@@ -42,7 +42,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from train import lock, packing, sample, stepdirs
+from train import lock, packing, stepdirs
+from train import tokenizers
 
 DEFAULT_NAME = "python-stdlib"  # the default data's name (not a path)
 CONTENT_MIB = 1 << 20  # bytes of each end of a file that Dataset.content hashes
@@ -53,7 +54,7 @@ SHARD_HEADER_INTS = 256
 @dataclasses.dataclass
 class Dataset:
   name: str  # for logs
-  tokenizer: str  # what the token ids are: sample.BYTES (text) or sample.GPT2 (GPT-2 BPE shards)
+  tokenizer: str  # what the token ids are: tokenizers.BYTES (text) or sample.GPT2 (GPT-2 BPE shards)
   train: list[np.ndarray]  # 1-d token arrays (uint8 bytes or uint16 GPT-2 ids), each > seq_len + 1 long
   val: list[np.ndarray]  # as train, held out; windows of these give val_loss in both modes
   packed: packing.Packed | None = None  # every training document end to end (load(pack=True)); else None
@@ -63,7 +64,7 @@ class Dataset:
   @property
   def vocab_size(self) -> int:
     """The smallest model vocabulary that covers every token id: the tokenizer's."""
-    return sample.IDS[self.tokenizer]
+    return tokenizers.IDS[self.tokenizer]
 
   def batch(self, split: str, seed: int, step: int, batch_size: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, targets), each (batch_size, seq_len) int32; targets are inputs shifted by one."""
@@ -120,7 +121,7 @@ def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool) -> Datas
   train, val = _usable(train, seq_len), _usable(val, seq_len)
   # the last 10% of the bytes starts where the cut fell, often mid-word: prompts start at its first full line
   lines = np.flatnonzero(val[0][:len(val[0]) - seq_len // 2] == ord("\n")) if len(texts) < 10 else []
-  return Dataset(name, sample.BYTES, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0,
+  return Dataset(name, tokenizers.BYTES, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0,
                  files=tuple(sorted(files)))
 
 
@@ -217,7 +218,7 @@ def check_source(spec: str | None) -> None:
 def tokenizer(source: str) -> str:
   """The tokens of the data a checkpoint records as `source` (source(), or --data as typed): GPT-2 BPE for token
   shards (a pattern ending in .bin, as load tells them apart), else UTF-8 bytes."""
-  return sample.GPT2 if source.endswith(".bin") else sample.BYTES
+  return sample.GPT2 if source.endswith(".bin") else tokenizers.BYTES
 
 
 def source(spec: str | None) -> str:

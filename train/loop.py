@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 import models
 from models import ops
-from train import checkpoint, data, hosts, metrics, overlap, report, sample, signals, stepdirs, undo
+from train import checkpoint, data, hosts, metrics, overlap, report, signals, stepdirs, tokenizers, undo
 from train.config import PROFILE_WINDOW, TrainConfig
 from train.session import Batches, Session
 from train.step import build, lr
@@ -121,8 +121,8 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict) -> tuple[int, dict]:
 
 
 def _sample_needs(cfg: TrainConfig) -> str:
-  """' (needs ...)' where python -m sample cannot take the tokens of cfg's data here (sample.missing), else ''."""
-  needs = sample.missing(data.tokenizer(data.source(cfg.data)))
+  """' (needs ...)' where python -m sample cannot take the tokens of cfg's data here (tokenizers.missing), else ''."""
+  needs = tokenizers.missing(data.tokenizer(data.source(cfg.data)))
   return f" ({needs})" if needs else ""
 
 

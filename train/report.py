@@ -11,7 +11,7 @@ from flax import nnx
 import attnlayers
 import models
 from models import generate, ops, plans
-from train import data, metrics, sample
+from train import data, metrics, tokenizers
 from train.config import TrainConfig
 from train.session import Session
 
@@ -99,9 +99,9 @@ def vocab_notice(cfg: TrainConfig, dataset: data.Dataset) -> None:
   (--allow-change data, e.g. GPT-2 shards after bytes), and they cost parameters, not correctness."""
   have, need = cfg.model.vocab_size, dataset.vocab_size
   if jax.process_index() == 0 and have > -(-need // 64) * 64:
-    print(f"vocab_size {have}: the data ({dataset.name}) holds {sample.NAMES[dataset.tokenizer]}, ids below {need}; "
+    print(f"vocab_size {have}: the data ({dataset.name}) holds {tokenizers.NAMES[dataset.tokenizer]}, ids below {need}; "
           f"ids {need}-{have - 1} never occur in it, and only add embedding and output rows (--vocab-size {need} "
-          f"fits it); samples decode {sample.NAMES[dataset.tokenizer]}", flush=True)
+          f"fits it); samples decode {tokenizers.NAMES[dataset.tokenizer]}", flush=True)
 
 
 def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
@@ -119,6 +119,6 @@ def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
   gen = generate.generate(model, [prompt], max_new_tokens=new, backend=attnlayers.backends.AUTO,
                           sampling=generate.Sampling(temperature=SAMPLE_TEMPERATURE, seed=s.cfg.seed % generate.SEEDS,
                                                      real_vocab=dataset.vocab_size))
-  return {"sample": sample.decode(gen.tokens[0], dataset.tokenizer),
-          "sample_prompt": sample.decode(prompt, dataset.tokenizer),
+  return {"sample": tokenizers.decode(gen.tokens[0], dataset.tokenizer),
+          "sample_prompt": tokenizers.decode(prompt, dataset.tokenizer),
           "sample_time_to_first_token_s": gen.time_to_first_token_s, "sample_tokens_per_s": gen.decode_tokens_per_s}

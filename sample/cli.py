@@ -1,8 +1,8 @@
 """`python -m sample`: continue a prompt with a model that `python -m train` saved.
 
-Reads the newest intact checkpoint of a training folder without writing anything there (no
-lock, no renames, no clean-up: a trainer may be using the folder at the same time), restores
-only the parameters, and generates with the KV-cache decoder (models.generate), printing
+Reads the newest intact checkpoint of a training folder without writing anything there
+(train.reader: no lock, no renames, no clean-up, as a trainer may be using the folder at the
+same time), restores only the parameters, and generates with the KV-cache decoder (models.generate), printing
 the text, the time to the first token and the decode rate. Every bad input exits with code 2
 and one line saying what would work.
 """
@@ -16,14 +16,14 @@ import os
 import sys
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 import attnlayers
 import models
 from attnlayers.fp8 import FP8Meta
 from models.generate import SEEDS, Sampling, generate
-from train import checkpoint, cli, data, sample, stepdirs
+from train import checkpoint, data, flags, reader, tokenizers
+from train.cli import LATEST, RUNS
 
 DEFAULT_TOKENS = 200  # new tokens when --tokens is not given (fewer where the context has less room)
 
@@ -38,98 +38,58 @@ class Restored:
   directory: str  # the checkpoint folder
   step: int  # the step restored
   data: str  # what it was trained on
-  tokenizer: str  # its tokens: sample.BYTES or sample.GPT2 (tokenizer)
-
-
-def _read_only(directory: str, step: int, **items) -> dict:
-  """Items of step `step` read with orbax, which writes nothing when restoring."""
-  path = os.path.abspath(stepdirs.step_path(directory, step))  # orbax takes absolute paths only
-  handlers = dict(state=ocp.PyTreeCheckpointHandler(), meta=ocp.JsonCheckpointHandler(),
-                  fp8=ocp.StandardCheckpointHandler())
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**{k: handlers[k] for k in items})) as reader:
-    try:
-      return reader.restore(path, args=ocp.args.Composite(**items))
-    except Exception as e:  # orbax's messages run to pages; the first line says it
-      first = (str(e).strip().splitlines() or [""])[0][:300]
-      raise SampleError(f"cannot read {', '.join(items)} of {path}: {type(e).__name__}: {first}") from None
-
-
-def newest_intact(directory: str) -> int:
-  """The newest step in `directory` that verifies against its manifest; damaged ones are only reported."""
-  if not os.path.isdir(directory):
-    what = "is not a folder" if os.path.exists(directory) else "does not exist"
-    raise SampleError(f"--ckpt-dir {directory} {what}: give the folder python -m train saved to")
-  found = stepdirs.listing(directory)
-  if not found.ours:
-    raise SampleError(f"--ckpt-dir {directory} holds no checkpoint (no step folder with {stepdirs.MANIFEST}): "
-                      "give the folder python -m train saved to")
-  problems = []
-  for step in reversed(found.ours):
-    problem = stepdirs.problem(stepdirs.step_path(directory, step))
-    if problem is None:
-      for p in problems:
-        print(f"skipped a damaged checkpoint: {p}", file=sys.stderr)
-      for kind, steps in (("has no " + stepdirs.MANIFEST + ", so it is not a checkpoint python -m train sealed",
-                           found.foreign), ("is empty", found.empty)):
-        for newer in (n for n in steps if n > step):
-          print(f"skipped {stepdirs.step_path(directory, newer)}: it {kind}", file=sys.stderr)
-      return step
-    problems.append(f"step {step}: {problem}")
-  raise SampleError(f"no checkpoint in {directory} is intact: " + "; ".join(problems))
+  tokenizer: str  # its tokens: tokenizers.BYTES or tokenizers.GPT2 (tokenizer)
 
 
 def restore(directory: str, backend: str, step: int | None = None) -> Restored:
   """The model of `directory`'s newest intact step (or `step`), built with attention `backend`."""
-  step = newest_intact(directory) if step is None else step
-  meta = _read_only(directory, step, meta=ocp.args.JsonRestore())["meta"]
-  arch, note = models.config.as_trained(checkpoint.ABSENT_MODEL | dict(meta["model"]))  # absent: what that meant
-  if note:
-    print(note, file=sys.stderr)
-  tokens = tokenizer(meta, arch["vocab_size"])  # before the parameters are read
-  cfg = models.GPTConfig(**arch, dtype=meta["run"]["dtype"], backend=backend,
-                         # decode steps (one query) never qualify for te-fp8's FP8 core; its projections stay FP8
-                         fp8_core="fp8-or-bf16" if backend == "te-fp8" else "fp8")
-  abstract = nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0)))
-  graphdef, params, fp8 = nnx.split(abstract, nnx.Param, ...)
-  one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  like = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
-  item = {"params": like(params)}  # only the parameters, not the optimizer state beside them
-  state = _read_only(directory, step, state=ocp.args.PyTreeRestore(
-      item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
-  if jax.tree.leaves(fp8):  # te-fp8: the run's FP8 scaling where it saved one (a te-fp8 run), else fresh
-    saved = os.path.isdir(os.path.join(stepdirs.step_path(directory, step), "fp8"))
-    fp8 = (_read_only(directory, step, fp8=ocp.args.StandardRestore(like(fp8)))["fp8"] if saved else
-           jax.jit(lambda: nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), FP8Meta))())
-  model = nnx.merge(graphdef, state["state"]["params"], fp8)
-  return Restored(model, directory, step, meta.get("data", "?"), tokens)
+  with reader.Reader(directory) as read:
+    step = read.newest_intact() if step is None else step
+    meta = read.meta(step)
+    arch, note = checkpoint.architecture(meta)
+    if note:
+      print(note, file=sys.stderr)
+    tokens = tokenizer(meta, arch["vocab_size"])  # before the parameters are read
+    cfg = models.GPTConfig(**arch, dtype=meta["run"]["dtype"], backend=backend,
+                           # decode steps (one query) never qualify for te-fp8's FP8 core; its projections stay FP8
+                           fp8_core="fp8-or-bf16" if backend == "te-fp8" else "fp8")
+    abstract = nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, fp8 = nnx.split(abstract, nnx.Param, ...)
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    params = read.params(step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), params))
+    if jax.tree.leaves(fp8):  # te-fp8: the run's FP8 scaling where it saved one (a te-fp8 run), else fresh
+      fp8 = jax.jit(lambda: nnx.state(models.GPT(cfg, rngs=nnx.Rngs(0)), FP8Meta))()
+      if read.has_fp8(step):
+        fp8 = read.fp8(step, fp8)
+  return Restored(nnx.merge(graphdef, params, fp8), directory, step, meta.get("data", "?"), tokens)
 
 
 def tokenizer(meta: dict, vocab_size: int) -> str:
   """The tokenizer of what a checkpoint's model was trained on: bytes for text, GPT-2 BPE for token shards (the
   trainer's end-of-run sample used the same). Only where its meta does not record the data, the one its
-  vocabulary implies (sample.for_vocab)."""
+  vocabulary implies (tokenizers.for_vocab)."""
   if not isinstance(meta.get("data"), str):
     try:
-      return sample.for_vocab(vocab_size)
+      return tokenizers.for_vocab(vocab_size)
     except ValueError as e:
       raise SampleError(f"the checkpoint does not record the data its model was trained on, so its vocabulary "
                         f"decides, and there is {e}") from None
   chosen = data.tokenizer(meta["data"])
-  if sample.IDS[chosen] > vocab_size:  # the trainer refuses such a model: a checkpoint it did not write
-    raise SampleError(f"the model was trained on {sample.NAMES[chosen]} (ids up to {sample.IDS[chosen] - 1}), more "
-                      f"than its vocabulary of {vocab_size}: its checkpoint contradicts itself")
+  if tokenizers.IDS[chosen] > vocab_size:  # the trainer refuses such a model: a checkpoint it did not write
+    raise SampleError(f"the model was trained on {tokenizers.NAMES[chosen]} (ids up to {tokenizers.IDS[chosen] - 1}), "
+                      f"more than its vocabulary of {vocab_size}: its checkpoint contradicts itself")
   return chosen
 
 
 def latest_run() -> str:
   """The folder that runs/latest names: the newest run python -m train finished without --ckpt-dir."""
   try:
-    with open(cli.LATEST, encoding="utf-8") as f:
+    with open(LATEST, encoding="utf-8") as f:
       name = f.read().strip()
   except FileNotFoundError:
-    raise SampleError(f"no --ckpt-dir given and no {cli.LATEST} here (written when python -m train finishes "
+    raise SampleError(f"no --ckpt-dir given and no {LATEST} here (written when python -m train finishes "
                       "without --ckpt-dir): train first, or give --ckpt-dir") from None
-  return os.path.join(cli.RUNS, name)
+  return os.path.join(RUNS, name)
 
 
 def _temperature(text: str) -> float:
@@ -143,7 +103,7 @@ def _temperature(text: str) -> float:
 
 
 def _seed(text: str) -> int:
-  value = cli.int_at_least(0)(text)
+  value = flags.int_at_least(0)(text)
   if value >= SEEDS:  # jax.random.key keeps the low 32 bits: a larger seed would repeat a smaller one's samples
     raise argparse.ArgumentTypeError(f"must be below 2**32 ({SEEDS}), got {value}: jax's random key keeps 32 bits, "
                                      "so a larger seed would repeat a smaller one's samples")
@@ -151,9 +111,9 @@ def _seed(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = cli.Parser(prog="python -m sample", description=__doc__.splitlines()[0], formatter_class=cli.Help)
-  one = cli.int_at_least(1)
-  p.add_argument("--ckpt-dir", help=f"a folder python -m train saved to; default: the one {cli.LATEST} names")
+  p = flags.Parser(prog="python -m sample", description=__doc__.splitlines()[0], formatter_class=flags.Help)
+  one = flags.int_at_least(1)
+  p.add_argument("--ckpt-dir", help=f"a folder python -m train saved to; default: the one {LATEST} names")
   text = p.add_mutually_exclusive_group()
   text.add_argument("--prompt", help="text to continue; default: a newline")
   text.add_argument("--prompt-file", help="continue this file's text")
@@ -172,7 +132,7 @@ def _prompt(a) -> str:
     return "\n" if a.prompt is None else a.prompt
   try:
     # bytes that are not UTF-8 read as --prompt's do (surrogateescape): a byte model takes them as they are, and
-    # GPT-2 BPE refuses them saying so (sample.encode)
+    # GPT-2 BPE refuses them saying so (tokenizers.encode)
     with open(a.prompt_file, encoding="utf-8", errors="surrogateescape") as f:
       return f.read()
   except OSError as e:
@@ -197,18 +157,18 @@ def run(a) -> None:
   directory = a.ckpt_dir if a.ckpt_dir is not None else latest_run()
   r = restore(directory, a.attn)
   cfg = r.model.cfg
-  prompt = sample.encode(text, r.tokenizer)
+  prompt = tokenizers.encode(text, r.tokenizer)
   new = _new_tokens(a.tokens, len(prompt), cfg.seq_len)
   # drawn only from these: ids past the tokenizer's are the vocabulary's padding, never trained on; a checkpoint
   # without a data record may have fewer than its tokenizer's (tokenizer(): bytes for any vocab_size <= 256)
-  ids = min(sample.IDS[r.tokenizer], cfg.vocab_size)
+  ids = min(tokenizers.IDS[r.tokenizer], cfg.vocab_size)
   if prompt.max() >= cfg.vocab_size:  # only there: every id a tokenizer gives is below its IDS
-    raise SampleError(f"the prompt's {sample.NAMES[r.tokenizer]} include id {prompt.max()}, past the model's "
+    raise SampleError(f"the prompt's {tokenizers.NAMES[r.tokenizer]} include id {prompt.max()}, past the model's "
                       f"vocabulary of {cfg.vocab_size} (ids 0..{cfg.vocab_size - 1}): give a prompt of those ids only")
   if a.top_k is not None and a.top_k > ids:
-    raise SampleError(f"--top-k {a.top_k} is more than the {ids} {sample.NAMES[r.tokenizer]} the model samples from; "
-                      f"use 1..{ids}, or leave it out to keep every token")
-  print(f"{r.directory}: step {r.step}, trained on {r.data} ({sample.NAMES[r.tokenizer]}); {cfg.n_layer} layers, "
+    raise SampleError(f"--top-k {a.top_k} is more than the {ids} {tokenizers.NAMES[r.tokenizer]} the model samples "
+                      f"from; use 1..{ids}, or leave it out to keep every token")
+  print(f"{r.directory}: step {r.step}, trained on {r.data} ({tokenizers.NAMES[r.tokenizer]}); {cfg.n_layer} layers, "
         f"d_model {cfg.d_model}, context {cfg.seq_len}; attention {a.attn}", flush=True)
   gen = generate(r.model, [prompt] * a.batch, max_new_tokens=new,
                  sampling=Sampling(temperature=a.temperature, top_k=a.top_k, seed=a.seed, real_vocab=ids))
@@ -220,7 +180,7 @@ def run(a) -> None:
   for i, tokens in enumerate(texts):
     if len(texts) > 1:
       print(f"--- sample {i + 1} of {a.batch}")
-    print(sample.decode(tokens, r.tokenizer))
+    print(tokenizers.decode(tokens, r.tokenizer))
   rate = f"{gen.decode_tokens_per_s:,.0f} tokens/s" if math.isfinite(gen.decode_tokens_per_s) else "no decode step"
   print(f"---\ntime to first token: {gen.time_to_first_token_s * 1e3:.1f} ms; decode: {rate} "
         f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s and a first run, not counted); "
@@ -248,7 +208,8 @@ def main(argv=None) -> None:
     a.seed = 0
   try:
     run(a)
-  except (SampleError, ValueError, attnlayers.BackendUnavailableError) as e:  # FP8Unavailable is one too
+  except (SampleError, ValueError, reader.CheckpointError,
+          attnlayers.BackendUnavailableError) as e:  # FP8Unavailable is one too
     hint = ""
     if isinstance(e, attnlayers.BackendUnavailableError):
       hint = ("\nhere: --attn picks the backend (auto: one that runs this model); the compute dtype is the one the "

@@ -1,8 +1,7 @@
-"""Flag parsing that every command of this project shares: python -m attnlayers, train, sample, benchmarks.*.
+"""Flag parsing that the app's commands share: python -m train, python -m sample, python -m benchmarks.*.
 
 A bad flag is one line on stderr and exit code 2, before any work: Parser.error prints which flag and why,
-the types below say the bound that would work, Help shows each flag's default. It lives in the library
-package because `python -m attnlayers` is one of those commands and the library depends on nothing else here.
+the types below say the bound that would work, Help shows each flag's default.
 """
 
 from __future__ import annotations
