@@ -1,6 +1,6 @@
 """On an NVIDIA GPU: compiled as the trainer compiles (train.step.STEP_COMPILER_OPTIONS), the biases
 of the attention layer's four projections and of the GPT's MLP output run in cuBLASLt epilogues, and so
-does the GELU of a GPT without biases (models.bias_gelu.gelu_of_gemm)."""
+does the GELU of a GPT without biases (models.ops.bias_gelu.gelu_of_gemm)."""
 
 import re
 
@@ -39,7 +39,7 @@ def test_the_layers_q_k_v_and_out_biases_run_in_the_gemms():
 
 
 def test_every_block_bias_but_the_mlp_input_runs_in_a_gemm():
-  """q, k, v, attention out, MLP out: 5 per block (the MLP input's bias is in models.bias_gelu's kernel)."""
+  """q, k, v, attention out, MLP out: 5 per block (the MLP input's bias is in models.ops.bias_gelu's kernel)."""
   cfg = models.preset("gpt2-small", n_layer=2, seq_len=256, backend="cudnn")
   model = models.GPT(cfg, rngs=nnx.Rngs(0))
   tokens = jnp.zeros((2, 256), jnp.int32)

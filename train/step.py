@@ -37,7 +37,7 @@ def batch_loss(graphdef, params, fp8, batch: dict, dropout_key):
   float32. The output layer and loss run fused in chunks (models.loss): the (B, T, V) logits never exist.
   The logits come out of their GEMM in the compute dtype, as the model's own logits do (GPT.__call__) and as
   nanoGPT's do under autocast; the softmax runs in float32. Its softmax - onehot runs on the kernel that
-  the model's `kernels` setting resolves to (models.kernels; the summary's "kernels")."""
+  the model's `kernels` setting resolves to (models.ops; the summary's "kernels")."""
   model = nnx.merge(graphdef, params, fp8)
   rngs = nnx.Rngs(dropout=dropout_key) if model.cfg.dropout else None
   h = model.hidden(batch["inputs"], rngs=rngs, segment_ids=batch.get("segment_ids"),
