@@ -53,8 +53,9 @@ def _emulated_core(q, k, v, dout, *, is_causal, p_normalised=True, scales=(None,
   return (out, tuple(_bf16(g) for g in (dq, dk, dv))), (want, want_grads)
 
 
-# every head layout and causality with P rounded normalised; the other order of P's rounding on two of them
-KERNELS = [(case, True) for case in UNMASKED] + [(case, False) for case in UNMASKED if case["heads"] == "GQA"]
+# every head layout, causal, and GQA without causality, with P rounded normalised; GQA with the other order
+GQA = [case for case in UNMASKED if case["heads"] == "GQA"]
+KERNELS = [(case, True) for case in UNMASKED if case["causal"] or case in GQA] + [(case, False) for case in GQA]
 
 
 @pytest.mark.parametrize("case, p_normalised", KERNELS,
