@@ -19,11 +19,6 @@ SHAPE = dict(B=2, T=256, S=256, H=128)  # the GPU tests' FP8 shape
 UNMASKED = [c for c in cases.matrix((jnp.bfloat16,)) if not c["masked"]]
 
 
-def _e4m3(x, scale):
-  """x * scale rounded to E4M3, / scale (float64)."""
-  return np.asarray(x * scale, np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / scale
-
-
 def _bf16(x):
   return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
 
@@ -36,12 +31,12 @@ def _emulated_core(q, k, v, dout, *, is_causal, p_normalised=True, scales=(None,
   (B, T, N, H), K = q.shape, k.shape[2]
   vx = np.repeat(x[2], N // K, axis=2).transpose(0, 2, 1, 3)  # (B, N, S, H)
   if p_normalised:
-    o = _e4m3(p, 448.0) @ vx
+    o = reference.fp8_quantised(p, 448.0) @ vx
   else:  # exp(s - max) is p / max(p) in [0, 1]; the row sum divides after P.V
     top = p.max(-1, keepdims=True)
-    o = (_e4m3(p / top, 448.0) @ vx) * top
+    o = (reference.fp8_quantised(p / top, 448.0) @ vx) * top
   sv = scales[2] or reference.fp8_scale(np.abs(np.asarray(v, np.float32)).max())
-  out = _bf16(_e4m3(o, sv / 2)).transpose(0, 2, 1, 3)  # (B, T, N, H)
+  out = _bf16(reference.fp8_quantised(o, sv / 2)).transpose(0, 2, 1, 3)  # (B, T, N, H)
   want_grads = reference.gradients(*x, np.asarray(dout, np.float64), is_causal=is_causal)
   dq, dk, dv = want_grads
   # the backward's D = rowsum(dout * O) takes the FP8 O, so ds = p * (dp - D) moves by -p * dD
@@ -66,7 +61,8 @@ def test_fp8_rule_accepts_the_kernels_rounding_and_refuses_a_tenth_too_much(case
   (out, grads), (want, want_grads) = _emulated_core(q, k, v, dout, is_causal=causal, p_normalised=p_normalised)
   reference.check_fp8_core(out, grads, q, k, v, dout, is_causal=causal, what="emulated FP8 core")
   for factor in (1.1, 0.9):
-    for got, ref, kind, name in [(out, want, "out", "output"), *zip(grads, want_grads, ["grad"] * 3, ["dq", "dk", "dv"])]:
+    pairs = [(out, want, "out", "output"), *zip(grads, want_grads, ["grad"] * 3, ["dq", "dk", "dv"])]
+    for got, ref, kind, name in pairs:
       with pytest.raises(AssertionError, match="FP8_QUANTISED"):
         reference.assert_fp8_matches_quantised(factor * got, ref, kind, f"{factor} x {name}")
 
@@ -96,4 +92,5 @@ def test_fp8_quantised_rounds_to_e4m3_and_saturates():
   x = np.array([1.0, 1.0625, 1.07, 3.0, -500.0, 2.0**-9, 2.0**-11], np.float32)
   np.testing.assert_array_equal(reference.fp8_quantised(x, 1.0), [1.0, 1.0, 1.125, 3.0, -448.0, 2.0**-9, 0.0])
   assert reference.fp8_scale(3.0) == 128.0 and reference.fp8_scale(448.0) == 1.0 and reference.fp8_scale(0.0) == 1.0
-  np.testing.assert_array_equal(reference.fp8_quantised(np.array([3.0, 0.01], np.float32)), [3.0, 1.25 / 128])  # 0.01 * 128 = 1.28 -> 1.25
+  scaled = reference.fp8_quantised(np.array([3.0, 0.01], np.float32))  # scale 128: 0.01 * 128 = 1.28 -> 1.25
+  np.testing.assert_array_equal(scaled, [3.0, 1.25 / 128])
