@@ -6,6 +6,7 @@ tolerances chosen here and nowhere else.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 # (atol, rtol) per dtype and quantity, against the float64 reference. bfloat16 keeps 8
@@ -23,8 +24,24 @@ TOLERANCES = {
 
 # FP8 (te-fp8: E4M3 q, k, v, probabilities P and output O; 3 mantissa bits, so each rounding
 # is off by up to 2^-4 relative): every element within 2^-3 of the tensor's largest reference
-# value, i.e. two E4M3 steps at the top of the range. The error measured is printed.
+# value, i.e. two E4M3 steps at the top of the range. The error measured is printed. This
+# rule alone passes an output 1.1x too large; FP8_QUANTISED is the one that does not.
 FP8_FRACTION_OF_MAX = {"out": 2.0**-3, "grad": 2.0**-3}
+
+# te-fp8's FP8 core against the float64 attention of q, k, v as the core quantises them
+# (fp8_quantised): what remains is the kernel's rounding of P (E4M3, scale 448) and of O (E4M3,
+# then bf16/fp16), each at most 2^-4 relative per element, round to nearest: noise that is
+# unbiased and independent of the values. One rounding's error has an RMS of at most
+# 2^-4 / sqrt(3) of the values rounded (uniform within half a step); P's, summed over the keys
+# with weights v, adds about as much to O again, so together about sqrt(2 / 3) * 2^-4 = 0.051.
+# The gradients (a bf16 backward on the dequantised q, k, v) see O's error only through
+# rowsum(dout * O). Hence, per tensor:
+#   "rms":   rms(actual - reference) <= 2^-4 * rms(reference);
+#   "scale": the least-squares factor <actual, reference> / <reference, reference> is within
+#            2^-5 of 1: noise independent of the reference moves it by about rms / sqrt(size).
+# A tensor 1.1x its reference fails both (rms error 0.1, factor 1.1).
+FP8_QUANTISED = {"out": dict(rms=2.0**-4, scale=2.0**-5), "grad": dict(rms=2.0**-4, scale=2.0**-5)}
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 def tolerance(dtype, kind: str = "out") -> dict:
@@ -42,6 +59,54 @@ def assert_close(actual, expected, dtype, kind: str = "out", what: str = ""):
     assert err <= atol, f"{what}: max |error| {err:.4g} > {atol:.4g} = {FP8_FRACTION_OF_MAX[kind]} * max |reference|"
     return
   np.testing.assert_allclose(actual, expected, err_msg=what, **tolerance(dtype, kind))
+
+
+def fp8_scale(amax) -> float:
+  """te-fp8's per-tensor scale for a tensor whose largest |value| is amax: the largest power of two s with
+  amax * s <= 448, so that dequantising is exact (1 for amax 0, as delayed scaling starts)."""
+  amax = float(amax)
+  return 1.0 if amax == 0 else float(2.0 ** np.floor(np.log2(E4M3_MAX / amax)))
+
+
+def fp8_quantised(x, scale=None):
+  """x as te-fp8's FP8 core holds it, in float64: x * scale rounded to E4M3 (saturating at +-448), / scale.
+
+  scale: a power of two; default fp8_scale(max|x|), current scaling's (delayed scaling passes its history's).
+  """
+  x = np.asarray(x, np.float32)  # bf16/fp16 -> float32 and * 2^n are exact, as in the core
+  scale = fp8_scale(np.abs(x).max()) if scale is None else float(scale)
+  y = np.clip(x * np.float32(scale), -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+  return y.astype(np.float64) / scale
+
+
+def assert_fp8_matches_quantised(actual, expected, kind: str = "out", what: str = ""):
+  """actual: te-fp8's FP8-core output or gradient; expected: the float64 reference on fp8_quantised inputs.
+  The FP8_QUANTISED rules (its comment says why); the measured values are printed."""
+  a, e = np.asarray(actual, np.float32).astype(np.float64), np.asarray(expected, np.float64)
+  rms = np.sqrt(np.mean((a - e) ** 2) / np.mean(e**2))
+  factor = float(np.sum(a * e) / np.sum(e * e))
+  limits = FP8_QUANTISED[kind]
+  print(f"{what}: vs quantised inputs: rms error / rms = {rms:.4f}, least-squares factor = {factor:.5f}")
+  assert rms <= limits["rms"], f"{what}: rms error {rms:.4g} of the reference's rms > {limits['rms']} (FP8_QUANTISED)"
+  assert abs(factor - 1) <= limits["scale"], \
+      f"{what}: {factor:.5g} times the reference (least squares), beyond 1 +- {limits['scale']} (FP8_QUANTISED)"
+
+
+def check_fp8_core(out, grads, q, k, v, dout=None, *, is_causal: bool, scales=None, what: str = ""):
+  """te-fp8's FP8 core against the float64 attention of its quantised inputs (assert_fp8_matches_quantised).
+
+  out (B, T, N, H) and grads (dq, dk, dv) or None: what the core returned for q (B, T, N, H), k, v (B, S, K, H)
+  and the cotangent dout (B, T, N, H) (needed with grads); scales (sq, sk, sv): the core's, default
+  current scaling's (fp8_scale of each tensor's max|x|). The default softmax scale 1/sqrt(H).
+  """
+  scales = (None,) * 3 if scales is None else [float(s) for s in np.asarray(scales)]
+  x64 = [fp8_quantised(x, s) for x, s in zip((q, k, v), scales)]  # (B, T|S, N|K, H) float64
+  want, _ = forward(*x64, is_causal=is_causal)
+  assert_fp8_matches_quantised(out, want, "out", f"{what} output")
+  if grads is not None:
+    want_grads = gradients(*x64, np.asarray(dout, np.float64), is_causal=is_causal)
+    for name, got, ref in zip("qkv", grads, want_grads):
+      assert_fp8_matches_quantised(got, ref, "grad", f"{what} d{name}")
 
 
 def assert_close_sum(actual, expected, dtype, n: int, what: str = ""):

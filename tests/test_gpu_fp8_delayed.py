@@ -31,13 +31,21 @@ def _run(case, q, k, v, history, dout):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, history)
 
 
-def _check(case, got_out, got_grads, q, k, v, dout, what):
+def _scales(history):
+  """The core's (sq, sk, sv) from a (3, L) history, by the reference's own rule: 1 for a row with nothing measured."""
+  return [reference.fp8_scale(amax) for amax in np.asarray(history).max(axis=1)]
+
+
+def _check(case, got_out, got_grads, q, k, v, dout, scales, what):
+  """Against the exact reference (FP8_FRACTION_OF_MAX), and against the reference on q, k, v quantised with the
+  core's scales (FP8_QUANTISED, which refuses an output or gradient 1.1x too large)."""
   f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
   options = dict(is_causal=case["causal"])
   want, _ = reference.forward(f64(q), f64(k), f64(v), **options)
   reference.assert_close(got_out, want, "fp8", "out", what)
   for name, got, ref in zip("qkv", got_grads, reference.gradients(f64(q), f64(k), f64(v), np.asarray(dout), **options)):
     reference.assert_close(got, ref, "fp8", "grad", f"{what} d{name}")
+  reference.check_fp8_core(got_out, got_grads, q, k, v, dout, is_causal=case["causal"], scales=scales, what=what)
 
 
 @pytest.mark.parametrize("step", ["first", "later"])
@@ -48,7 +56,7 @@ def test_delayed_core_matches_reference_and_hands_back_the_next_history(case, st
   if step == "later":
     history = history.at[:, 1].set(_amax(q, k, v) * 1.5)  # amaxes of two steps back
   (_, out), (dq, dk, dv, next_history) = _run(case, q, k, v, history, dout)
-  _check(case, out, (dq, dk, dv), q, k, v, dout, f"delayed FP8 core, {step} step")
+  _check(case, out, (dq, dk, dv), q, k, v, dout, _scales(history), f"delayed FP8 core, {step} step")
   np.testing.assert_array_equal(next_history, _fp8_delayed.roll(history, _amax(q, k, v)))
 
 
@@ -60,7 +68,7 @@ def test_an_amax_past_the_history_saturates_and_stays_finite():
   limits = 448.0 / _fp8_delayed.scales_from(history)  # (3,) the largest |value| each can hold
   assert all(float(jnp.max(jnp.abs(x))) > lim for x, lim in zip((q, k, v), limits))  # something did saturate
   clipped = [jnp.clip(x, -lim, lim).astype(x.dtype) for x, lim in zip((q, k, v), limits)]
-  _check(case, out, grads[:3], *clipped, dout, "saturated delayed FP8 core")
+  _check(case, out, grads[:3], *clipped, dout, _scales(history), "saturated delayed FP8 core")
 
 
 def test_te_fp8_layer_training_step_advances_its_core_history():

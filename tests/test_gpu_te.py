@@ -52,7 +52,12 @@ def test_te_kernel_is_in_compiled_hlo(masked):
 
 @pytest.mark.parametrize("case", UNMASKED, ids=cases.case_id)
 def test_te_fp8_core_matches_reference(case):
-  cases.check("te-fp8", case, tolerance="fp8", **FP8_SHAPE)
+  cases.check("te-fp8", case, tolerance="fp8", **FP8_SHAPE)  # the exact reference, within FP8_FRACTION_OF_MAX
+  q, k, v, dout, _ = cases.inputs(case, **FP8_SHAPE)
+  attend, grad = grad_of("te-fp8", case["causal"], dout)
+  out, grads = jax.jit(attend)(q, k, v), jax.jit(grad)(q, k, v)
+  # the reference on q, k, v as the core quantises them, within FP8_QUANTISED: refuses a 1.1x output or gradient
+  reference.check_fp8_core(out, grads, q, k, v, dout, is_causal=case["causal"], what="te-fp8 core")
 
 
 def test_fp16_output_of_a_tiny_v_is_dequantised_in_float32():
