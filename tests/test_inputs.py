@@ -246,9 +246,8 @@ def test_te_fp8_refuses_weights_and_dropout_with_either_core(monkeypatch):
   x = jnp.zeros((2, 128, 4, 128), jnp.bfloat16)  # an FP8-core shape
 
   def unmet(**kwargs):  # te-fp8's own answer (plan() would also ask te, which imports TransformerEngine)
-    dropout = spec.Dropout(0.1, jax.random.key(0)) if kwargs.pop("dropout", False) else None
-    return te_fp8.unmet(spec.describe(x, x, x, spec.options(scale=None, is_causal=True, head_dim=128,
-                                                            dropout=dropout, **kwargs)))
+    dropout = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)) if kwargs.pop("dropout", False) else {}
+    return te_fp8.unmet(spec.describe(x, x, x, is_causal=True, **dropout, **kwargs))
   assert unmet() == []  # the call itself runs on the FP8 core
   for kwargs, reason in ((dict(return_weights=True), "never materialises"), (dict(dropout=True), "no dropout")):
     for mode in ("fp8", "fp8-or-bf16"):
