@@ -12,12 +12,19 @@ class BackendUnavailableError(RuntimeError):
   """The requested backend cannot run this call; `reasons` lists every unmet requirement.
 
   Every backend raises this (te-fp8's projections raise its subclass attnlayers.fp8.FP8Unavailable).
-  `plan` is the full report where a call was planned, else None.
+
+  Attributes:
+    backend: the backend asked for ("auto" included).
+    reasons: every unmet requirement, in words.
+    fixes: {argument: what would work} for the reasons that one changed argument meets ("dtype" for q/k/v's
+      dtype, "fp8_core" for te-fp8's core), so that a caller can name its own setting for it.
+    plan: the full report where a call was planned, else None.
   """
 
   def __init__(self, backend: str, reasons: tuple[str, ...], message: str, plan: "Plan | None" = None):
     self.backend = backend
     self.reasons = tuple(reasons)
+    self.fixes = {r.argument: r.expected for r in self.reasons if getattr(r, "argument", None)}
     self.plan = plan
     super().__init__(message)
 

@@ -51,6 +51,27 @@ def is_integer(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+class ArgumentError(ValueError):
+  """A ValueError that names the arguments at fault, for callers that map them onto their own settings.
+
+  Attributes:
+    arguments: the names of the arguments the message names, as the raising function spells them; the first
+      is the one to change.
+    value: the first one's value.
+    expected: what would work, in words.
+  """
+
+  def __init__(self, message: str, *, arguments: tuple[str, ...], value=None, expected: str | None = None):
+    super().__init__(message)
+    self.arguments = tuple(arguments)
+    self.value = value
+    self.expected = expected
+
+  @property
+  def argument(self) -> str:
+    return self.arguments[0]
+
+
 class _LayerDefault:
   """The default of a layer call's sliding_window=: not given, so the layer's own sliding_window applies."""
 

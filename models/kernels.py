@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 
 from attnlayers import device
+from attnlayers.spec import ArgumentError
 
 KERNELS = ("auto", "xla", "pallas", "interpret")
 
@@ -40,6 +41,7 @@ def resolve(kernel: str = "auto", *arrays) -> tuple[str, str]:
                      "XLA's fusions split the work over the devices)")
     return ("pallas", "one GPU: the Pallas kernels") if ok else ("xla", f"XLA fusions ({why})")
   if kernel == "pallas" and not ok:
-    raise ValueError(f"kernel='pallas': {why}. Use kernel='xla' (XLA fusions, any backend), 'interpret' (the "
-                     "same kernel interpreted, slow) or 'auto'")
+    raise ArgumentError(f"kernel='pallas': {why}. Use kernel='xla' (XLA fusions, any backend), 'interpret' (the "
+                        "same kernel interpreted, slow) or 'auto'", arguments=("kernel",), value=kernel,
+                        expected="'xla', 'interpret' or 'auto'")
   return kernel, "as asked"

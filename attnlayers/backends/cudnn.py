@@ -138,7 +138,7 @@ def run(q, k, v, call: Call, decision: Decision):
 
 def _forward_only(fn, q, k, v):
   """fn(q, k, v), whose gradient raises: jax's cuDNN attention runs one query with a padding mask (a decode
-  step) forward, but its backward refuses T=1 ("Unsupported sequence length Q 1", jax 0.11.2)."""
+  step) forward, but its backward refuses T=1 ("Unsupported sequence length Q 1")."""
   @jax.custom_vjp
   def f(q, k, v):
     return fn(q, k, v)

@@ -78,7 +78,7 @@ def unmet(call: Call) -> list[str]:
     if "fp8-or-bf16" not in core[-1]:  # the segments/window/lengths reasons name it themselves
       core[-1] += "; pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use " \
                   "backend='te'"
-    reasons += core
+    reasons += [_reasons.Reason(r, "fp8_core", "fp8-or-bf16") for r in core]
   if reasons:
     return reasons
   return [] if decide(call).core == "fp8" else te.unmet(call, NAME)
