@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from jaxtyping import Array, Bool, Float, Int
 
 from attnlayers import backends, spec
 from attnlayers.plan import BackendUnavailableError, Plan, plan
+
+
+_RECORDING: list[list[Plan]] = []  # the lists of the open recorded_plans() blocks
+
+
+@contextlib.contextmanager
+def recorded_plans():
+  """Collects the Plan of every attention() call made inside the block, also while jax traces one.
+
+  The plans of a program from its one trace, e.g. `with recorded_plans() as plans: jax.jit(step).lower(*args)`
+  (each attention() call plans once). A function whose trace jax has cached makes no call: lower a new jit, or
+  trace with jax.eval_shape.
+  """
+  plans: list[Plan] = []
+  _RECORDING.append(plans)
+  try:
+    yield plans
+  finally:
+    _RECORDING.remove(plans)
 
 
 def _plan(backend, q, k, v, **arguments) -> Plan:
@@ -109,6 +130,8 @@ def attention(
     (B, T, N, H) in q's dtype, or (out, weights) when return_weights.
   """
   chosen = _plan(**locals())  # the arguments as given, by name
+  for plans in _RECORDING:
+    plans.append(chosen)
   if not chosen.ok:
     raise BackendUnavailableError.from_plan(chosen)
   return backends.REGISTRY[chosen.chosen].run(q, k, v, chosen.call, chosen.decision)
