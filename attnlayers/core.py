@@ -47,7 +47,8 @@ def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=N
 
   Takes exactly the arguments of `attention()` (q, k, v may be jax.ShapeDtypeStruct) and
   validates them the same way; runs nothing. `str(plan)` is a readable report; `plan.chosen`,
-  `plan.unmet`, `plan.runnable`, `plan.notes` are the facts.
+  `plan.unmet`, `plan.runnable`, `plan.notes`, `plan.call` (the call's one description, spec.Call)
+  and `plan.decision` (how the chosen backend runs it) are the facts.
   """
   if not isinstance(backend, str):
     raise TypeError(f"explain takes the backend first: explain(backend, q, k, v, ...), e.g. explain('auto', q, k, v) "

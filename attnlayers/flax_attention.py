@@ -136,8 +136,8 @@ class BackendAttention:
     Args:
       query_seq_lengths, key_value_seq_lengths: int, shaped like the batch dims.
       segment_ids: int (*batch, T), or a pair with (*batch, S).
-      **options: further attnlayers.attention keyword arguments (causal_alignment, window, max_segments,
-        fp8_amax_history), passed on as they are.
+      **options: attnlayers.attention's other keyword arguments (causal_alignment, window, ...), passed on
+        as they are.
     """
     dtype = jnp.dtype(dtype or jnp.result_type(query, key, value))
     dropping = dropout_rate > 0.0 and not deterministic
