@@ -147,25 +147,30 @@ class Call:
     check_is_causal(self.is_causal)
     self._set(is_causal=bool(self.is_causal), scale=_check_scale(self.scale), return_weights=bool(self.return_weights))
     if self.fp8_core not in FP8_CORE_MODES:
-      raise ValueError(f"fp8_core must be one of {', '.join(map(repr, FP8_CORE_MODES))}; got {self.fp8_core!r}")
+      raise ArgumentError(f"fp8_core must be one of {', '.join(map(repr, FP8_CORE_MODES))}; got {self.fp8_core!r}",
+                          arguments=("fp8_core",), value=self.fp8_core, expected=f"one of {FP8_CORE_MODES}")
     if self.fp8_amax_history is not None:
       check_amax_history(self.fp8_amax_history, self.fp8_core)
     if self.causal_alignment not in CAUSAL_ALIGNMENTS:
-      raise ValueError(f"causal_alignment must be one of {', '.join(map(repr, CAUSAL_ALIGNMENTS))}; "
-                       f"got {self.causal_alignment!r}")
+      raise ArgumentError(f"causal_alignment must be one of {', '.join(map(repr, CAUSAL_ALIGNMENTS))}; "
+                          f"got {self.causal_alignment!r}", arguments=("causal_alignment",),
+                          value=self.causal_alignment, expected=f"one of {CAUSAL_ALIGNMENTS}")
     if self.causal_alignment != "top-left" and not self.is_causal:
-      raise ValueError(f"causal_alignment={self.causal_alignment!r} places a causal mask; it needs is_causal=True "
-                       "(without it every query attends every real key, and the lengths alone say which)")
+      raise ArgumentError(f"causal_alignment={self.causal_alignment!r} places a causal mask; it needs "
+                          "is_causal=True (without it every query attends every real key, and the lengths alone say "
+                          "which)", arguments=("is_causal", "causal_alignment"), value=self.is_causal, expected="True")
     if self.dropout is not None and not (0.0 < self.dropout.rate < 1.0):
       raise ValueError(f"dropout rate must be in (0, 1); got {self.dropout.rate}")
     if self.dropout is not None and self.dropout.rng is None:
       raise ValueError(f"dropout_rate={self.dropout.rate} needs a dropout_rng (a jax PRNG key)")
     if self.max_segments is not None:
       if self.q_segment_ids is None:
-        raise ValueError("max_segments= bounds the documents of segment_ids=; pass segment_ids too (or drop it)")
+        raise ArgumentError("max_segments= bounds the documents of segment_ids=; pass segment_ids too (or drop it)",
+                            arguments=("max_segments", "segment_ids"), value=self.max_segments, expected="None")
       if not is_integer(self.max_segments) or self.max_segments < 1:
-        raise ValueError(f"max_segments must be an int >= 1, the most documents any row holds; "
-                         f"got {self.max_segments!r}")
+        raise ArgumentError(f"max_segments must be an int >= 1, the most documents any row holds; "
+                            f"got {self.max_segments!r}", arguments=("max_segments",), value=self.max_segments,
+                            expected="an int >= 1")
       self._set(max_segments=int(self.max_segments))
     self._set(window=check_window(self.window))
     self._check_arrays()
@@ -297,11 +302,13 @@ def check_window(window) -> tuple[int, int] | None:
   ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
       is_integer(w) and w >= 0 for w in window)
   if not ok:
-    raise ValueError(f"window must be (left, right), two ints >= 0: a query at position p attends keys in "
-                     f"[p - left, p + right] (causal: right = 0; None: no window); got {window!r}")
+    raise ArgumentError(f"window must be (left, right), two ints >= 0: a query at position p attends keys in "
+                        f"[p - left, p + right] (causal: right = 0; None: no window); got {window!r}",
+                        arguments=("window",), value=window, expected="(left, right), two ints >= 0")
   if max(window) > WINDOW_MAX:  # positions are int32: p + right must not wrap
-    raise ValueError(f"window sides must be at most 2**30 ({WINDOW_MAX}): a side as long as the sequence already "
-                     f"reaches every key that way (None: no window); got {window!r}")
+    raise ArgumentError(f"window sides must be at most 2**30 ({WINDOW_MAX}): a side as long as the sequence "
+                        f"already reaches every key that way (None: no window); got {window!r}",
+                        arguments=("window",), value=window, expected=f"sides <= {WINDOW_MAX}")
   return int(window[0]), int(window[1])
 
 

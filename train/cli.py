@@ -182,22 +182,22 @@ def _sample_command(ckpt_dir: str, prompt: str | None, tokenizer: str) -> str:
   return f"sample from it ({needs}) with:\n  {command}" if needs else f"sample from it with:\n  {command}"
 
 
-# The flags that change what a library error's structured fields name (BackendUnavailableError.fixes,
-# ArgumentError.arguments), as _flag_hint prints them
-LIBRARY_FLAGS = {"dtype": "--dtype bfloat16 (or float16 on a GPU) the compute dtype",
-                 "fp8_core": "--fp8-core fp8-or-bf16 te-fp8's core where it cannot run in FP8",
-                 "kernel": "--kernels xla, interpret or auto"}
+# The flags that do what a library error's structured fields ask, as _flag_hint adds them: for the arguments in
+# BackendUnavailableError.fixes, and for ArgumentError.argument
+FIX_FLAGS = {"dtype": "--dtype bfloat16 (or float16 on a GPU) the compute dtype",
+             "fp8_core": "--fp8-core fp8-or-bf16 te-fp8's core where it cannot run in FP8"}
+ARGUMENT_FLAGS = {"kernel": "--kernels xla, interpret or auto"}
 
 
 def _flag_hint(e: Exception, a: argparse.Namespace) -> str:
   """The flags that do what a library error asks in Python terms (backend=..., dtype=..., kernel=...), read from
-  its structured fields."""
+  its structured fields. The dtype flag is named wherever the run's dtype is not a half one."""
   if isinstance(e, attnlayers.BackendUnavailableError):
     half = (a.dtype or models.preset(a.preset).dtype) in ("bfloat16", "float16")  # given, or the preset's
     asked = {"dtype": not half, "fp8_core": "fp8_core" in e.fixes}
-    return "\nhere: --attn NAME picks the backend" + "".join(f", {LIBRARY_FLAGS[k]}" for k, on in asked.items() if on)
-  if isinstance(e, attnlayers.ArgumentError) and e.argument in LIBRARY_FLAGS:
-    return f"\nhere: {LIBRARY_FLAGS[e.argument]}"
+    return "\nhere: --attn NAME picks the backend" + "".join(f", {FIX_FLAGS[k]}" for k, on in asked.items() if on)
+  if isinstance(e, attnlayers.ArgumentError) and e.argument in ARGUMENT_FLAGS:
+    return f"\nhere: {ARGUMENT_FLAGS[e.argument]}"
   return ""
 
 
