@@ -8,8 +8,9 @@
 from attnlayers.backends import AUTO_ORDER, NAMES as BACKENDS
 from attnlayers.core import attention, explain
 from attnlayers.plan import BackendUnavailableError, Plan
+from attnlayers.spec import ArgumentError
 
-__all__ = ["attention", "explain", "BACKENDS", "AUTO_ORDER", "BackendUnavailableError", "Plan"]
+__all__ = ["attention", "explain", "BACKENDS", "AUTO_ORDER", "ArgumentError", "BackendUnavailableError", "Plan"]
 __version__ = "0.1.0"
 LAYER_MODULES = ("nnx", "linen", "fp8")  # imported on first use (attnlayers.linen...): each pulls in a Flax API
 

@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from jaxtyping import Array, Bool, Float, Int
 
 from attnlayers import backends, spec
 from attnlayers.plan import BackendUnavailableError, Plan, plan
 
 
-def _plan(backend, q, k, v, *, dropout_rate, dropout_rng, broadcast_dropout, **kwargs) -> tuple[Plan, spec.Options]:
-  """The checks every call passes, then the plan: what explain() reports and attention() runs."""
+_RECORDING: list[list[Plan]] = []  # the lists of the open recorded_plans() blocks
+
+
+@contextlib.contextmanager
+def recorded_plans():
+  """Collects the Plan of every attention() call made inside the block, also while jax traces one.
+
+  The plans of a program from its one trace, e.g. `with recorded_plans() as plans: jax.jit(step).lower(*args)`
+  (each attention() call plans once). A function whose trace jax has cached makes no call: lower a new jit, or
+  trace with jax.eval_shape.
+  """
+  plans: list[Plan] = []
+  _RECORDING.append(plans)
+  try:
+    yield plans
+  finally:
+    _RECORDING.remove(plans)
+
+
+def _plan(backend, q, k, v, **arguments) -> Plan:
+  """The checks every call passes, its one description, then the plan: what explain() reports and attention()
+  runs. `arguments` are attention()'s keyword arguments, by name."""
   spec.check_array_args(q, k, v)
-  if kwargs.get("fp8_amax_history") is not None and backend != "te-fp8":
+  if arguments.get("fp8_amax_history") is not None and backend != "te-fp8":
     raise ValueError(f"fp8_amax_history= scales te-fp8's FP8 attention core; backend={backend!r} takes none")
-  dropout = spec.Dropout(dropout_rate, dropout_rng, broadcast_dropout) if dropout_rate else None
-  head_dim = q.shape[-1] if q.ndim == 4 else 1  # describe() reports a wrong rank
-  opts = spec.options(dropout=dropout, head_dim=head_dim, **kwargs)
-  return plan(backend, spec.describe(q, k, v, opts)), opts
+  return plan(backend, spec.describe(q, k, v, **arguments))
 
 
 def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=None, scale: float | None = None,
@@ -28,17 +47,13 @@ def explain(backend: str, q, k, v, *, is_causal: bool = False, mask=None, bias=N
 
   Takes exactly the arguments of `attention()` (q, k, v may be jax.ShapeDtypeStruct) and
   validates them the same way; runs nothing. `str(plan)` is a readable report; `plan.chosen`,
-  `plan.unmet`, `plan.runnable`, `plan.notes` are the facts.
+  `plan.unmet`, `plan.runnable`, `plan.notes`, `plan.call` (the call's one description, spec.Call)
+  and `plan.decision` (how the chosen backend runs it) are the facts.
   """
   if not isinstance(backend, str):
     raise TypeError(f"explain takes the backend first: explain(backend, q, k, v, ...), e.g. explain('auto', q, k, v) "
                     f"(attention() takes it as backend=...); got {type(backend).__name__} as the backend")
-  return _plan(backend, q, k, v, is_causal=is_causal, mask=mask, bias=bias, scale=scale, dropout_rate=dropout_rate,
-               dropout_rng=dropout_rng if dropout_rate else None, broadcast_dropout=broadcast_dropout,
-               precision=precision, return_weights=return_weights, fp8_core=fp8_core,
-               query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-               causal_alignment=causal_alignment, segment_ids=segment_ids, window=window,
-               max_segments=max_segments, fp8_amax_history=fp8_amax_history)[0]
+  return _plan(**locals())  # the arguments as given, by name
 
 
 def attention(
@@ -115,12 +130,9 @@ def attention(
   Returns:
     (B, T, N, H) in q's dtype, or (out, weights) when return_weights.
   """
-  chosen, opts = _plan(backend, q, k, v, is_causal=is_causal, mask=mask, bias=bias, scale=scale,
-                       dropout_rate=dropout_rate, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
-                       precision=precision, return_weights=return_weights, fp8_core=fp8_core,
-                       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-                       causal_alignment=causal_alignment, segment_ids=segment_ids, window=window,
-                       max_segments=max_segments, fp8_amax_history=fp8_amax_history)
+  chosen = _plan(**locals())  # the arguments as given, by name
+  for plans in _RECORDING:
+    plans.append(chosen)
   if not chosen.ok:
     raise BackendUnavailableError.from_plan(chosen)
-  return backends.REGISTRY[chosen.chosen].run(q, k, v, opts)
+  return backends.REGISTRY[chosen.chosen].run(q, k, v, chosen.call, chosen.decision)

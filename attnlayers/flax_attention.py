@@ -130,11 +130,15 @@ class BackendAttention:
   def __call__(self, query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
                dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False, dtype=None,
                precision=None, module=None, is_causal: bool = False, force_fp32_for_softmax: bool = False,
-               query_seq_lengths=None, key_value_seq_lengths=None, causal_alignment: str = "top-left",
-               segment_ids=None, window=None, max_segments=None, fp8_amax_history=None):
-    """Flax's attention_fn arguments, plus attnlayers.attention's lengths (shaped like the batch dims),
-    causal_alignment, segment_ids ((*batch, T), or a pair with (*batch, S)), window and fp8_amax_history, which
-    the layers pass."""
+               query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None, **options):
+    """Flax's attention_fn arguments, plus attnlayers.attention's that the layers pass.
+
+    Args:
+      query_seq_lengths, key_value_seq_lengths: int, shaped like the batch dims.
+      segment_ids: int (*batch, T), or a pair with (*batch, S).
+      **options: attnlayers.attention's other keyword arguments (causal_alignment, window, ...), passed on
+        as they are.
+    """
     dtype = jnp.dtype(dtype or jnp.result_type(query, key, value))
     dropping = dropout_rate > 0.0 and not deterministic
     if force_fp32_for_softmax and dtype.kind == "c":
@@ -155,11 +159,10 @@ class BackendAttention:
         q, k, v, backend=self.backend, is_causal=is_causal, mask=mask, bias=bias,
         dropout_rate=dropout_rate if dropping else 0.0, dropout_rng=dropout_rng if dropping else None,
         broadcast_dropout=broadcast_dropout, precision=precision, return_weights=module is not None,
-        fp8_core=self.fp8_core, causal_alignment=causal_alignment,
+        fp8_core=self.fp8_core,
         query_seq_lengths=None if query_seq_lengths is None else query_seq_lengths.reshape(-1),  # (B,)
         key_value_seq_lengths=None if key_value_seq_lengths is None else key_value_seq_lengths.reshape(-1),
-        segment_ids=_flatten_ids(segment_ids, batch), window=window, max_segments=max_segments,
-        fp8_amax_history=fp8_amax_history)
+        segment_ids=_flatten_ids(segment_ids, batch), **options)
     out, weights = result if module is not None else (result, None)
     if binary is not None:
       out = jnp.where(binary, out, jnp.nan)  # a traced float mask with values other than 0/1: see _flax_mask

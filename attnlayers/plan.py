@@ -12,12 +12,19 @@ class BackendUnavailableError(RuntimeError):
   """The requested backend cannot run this call; `reasons` lists every unmet requirement.
 
   Every backend raises this (te-fp8's projections raise its subclass attnlayers.fp8.FP8Unavailable).
-  `plan` is the full report where a call was planned, else None.
+
+  Attributes:
+    backend: the backend asked for ("auto" included).
+    reasons: every unmet requirement, in words.
+    fixes: {argument: what would work} for the reasons that one changed argument meets ("dtype" for q/k/v's
+      dtype, "fp8_core" for te-fp8's core), so that a caller can name its own setting for it.
+    plan: the full report where a call was planned, else None.
   """
 
   def __init__(self, backend: str, reasons: tuple[str, ...], message: str, plan: "Plan | None" = None):
     self.backend = backend
     self.reasons = tuple(reasons)
+    self.fixes = {r.argument: r.expected for r in self.reasons if getattr(r, "argument", None)}
     self.plan = plan
     super().__init__(message)
 
@@ -34,6 +41,7 @@ class Plan:
   runnable: tuple[str, ...]  # every registered backend that could run this call
   call: Call
   notes: tuple[str, ...] = ()  # how the chosen backend runs this call (e.g. te-fp8: FP8 or bf16 core, and why)
+  decision: object = None  # the chosen backend's decide(call): how its run() runs the call (None: nothing to decide)
 
   @property
   def ok(self) -> bool:
@@ -58,17 +66,24 @@ class Plan:
 
 
 def plan(requested: str, call: Call) -> Plan:
+  """Which backend runs `call`, every reason the others cannot, and the chosen one's decisions.
+
+  `requested` is a backend name or "auto" (the first of AUTO_ORDER that can run the call). The chosen
+  backend's decide(call) is made here, once: its run() reads it and derives nothing again.
+  """
   backends.check_name(requested)
   reasons = {name: tuple(b.unmet(call)) for name, b in backends.REGISTRY.items()}
   runnable = tuple(name for name, rs in reasons.items() if not rs)
+  order = backends.AUTO_ORDER
   if requested == backends.AUTO:
-    considered = []
-    for name in backends.AUTO_ORDER:
-      if not reasons[name]:  # with the chosen backend's notes: how it runs the call, as explain(name) says
-        return Plan(requested, name, {n: reasons[n] for n in considered}, runnable, call,
-                    tuple(backends.REGISTRY[name].notes(call)))
-      considered.append(name)
-    return Plan(requested, None, {n: reasons[n] for n in considered}, runnable, call)
-  if reasons[requested]:
-    return Plan(requested, None, {requested: reasons[requested]}, runnable, call)
-  return Plan(requested, requested, {}, runnable, call, tuple(backends.REGISTRY[requested].notes(call)))
+    chosen = next((name for name in order if not reasons[name]), None)
+    considered = order if chosen is None else order[:order.index(chosen)]
+  else:
+    chosen = None if reasons[requested] else requested
+    considered = (requested,) if chosen is None else ()
+  unmet = {name: reasons[name] for name in considered}
+  if chosen is None:
+    return Plan(requested, None, unmet, runnable, call)
+  backend = backends.REGISTRY[chosen]
+  decision = backend.decide(call)
+  return Plan(requested, chosen, unmet, runnable, call, tuple(backend.notes(call, decision)), decision)

@@ -15,8 +15,8 @@ refuses): query (b, t) attends key s iff all of
 A query left with no key by lengths, causality, segments or window outputs exactly 0, with
 zero gradients, on every backend.
 
-`Options` is what every backend's `run(q, k, v, opts)` receives; `Call` is what every
-backend's `unmet(call)` reads (shapes, dtype, options, device: no arrays).
+`describe()` turns attention()'s arguments into one validated `Call` (shapes, dtype, device and
+options, arrays included); plan() and every backend read that one object.
 """
 
 from __future__ import annotations
@@ -51,6 +51,27 @@ def is_integer(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+class ArgumentError(ValueError):
+  """A ValueError that names the arguments at fault, for callers that map them onto their own settings.
+
+  Attributes:
+    arguments: the names of the arguments the message names, as the raising function spells them; the first
+      is the one to change.
+    value: the first one's value.
+    expected: what would work, in words.
+  """
+
+  def __init__(self, message: str, *, arguments: tuple[str, ...], value=None, expected: str | None = None):
+    super().__init__(message)
+    self.arguments = tuple(arguments)
+    self.value = value
+    self.expected = expected
+
+  @property
+  def argument(self) -> str:
+    return self.arguments[0]
+
+
 class _LayerDefault:
   """The default of a layer call's sliding_window=: not given, so the layer's own sliding_window applies."""
 
@@ -65,71 +86,135 @@ LAYER_DEFAULT = _LayerDefault()
 class Dropout:
   """Dropout on the attention weights, as Flax applies it."""
   rate: float  # probability of dropping a weight, 0 < rate < 1
-  rng: object  # a jax PRNG key
+  rng: object = dataclasses.field(compare=False, repr=False)  # a jax PRNG key
   broadcast: bool = True  # one (T, S) pattern shared across batch and heads
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """Everything of one call but q, k, v; the one argument every backend's run() takes besides them."""
-  scale: float  # multiplies q k^T
-  is_causal: bool = False  # query i attends keys j <= i (top-left aligned when T != S)
-  mask: object = None  # boolean, broadcastable to (B, N, T, S); True = may attend
-  bias: object = None  # float, broadcastable to (B, N, T, S); added to the scaled scores
-  dropout: Dropout | None = None  # on the attention weights (naive only)
-  precision: object = None  # the score and value matmuls' jax PrecisionLike (a Precision, a DotAlgorithmPreset), or None
-  return_weights: bool = False  # also return the (B, N, T, S) weights (naive only)
-  fp8_core: str = "fp8"  # te-fp8 only: one of FP8_CORE_MODES
-  fp8_amax_history: object = None  # te-fp8's FP8 core only: float32 (3, L) amaxes of q, k, v (delayed scaling)
-  query_seq_lengths: object = None  # int (B,): row b has Tb real queries, t >= Tb are padding
-  key_value_seq_lengths: object = None  # int (B,): row b has Sb real keys, s >= Sb are padding
-  causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS (with is_causal)
-  q_segment_ids: object = None  # int (B, T): query t's document; 0 = padding (attends nothing)
-  kv_segment_ids: object = None  # int (B, S): key s's document; 0 = padding (attended by nothing)
-  window: tuple[int, int] | None = None  # (left, right): query at p attends keys in [p - left, p + right]
-  max_segments: int | None = None  # most documents (runs of one non-zero id) in a row; None: T (te sizes its batch by it)
+def _array():
+  """An array option: neither compared, hashed nor printed (the facts of it that unmet() reads are)."""
+  return dataclasses.field(default=None, compare=False, repr=False)
 
-  @property
-  def has_lengths(self) -> bool:
-    return self.query_seq_lengths is not None or self.key_value_seq_lengths is not None
 
-  @property
-  def shared_segments(self) -> bool:
-    """One segment_ids array serves queries and keys (self-attention over a packed row)."""
-    return self.has_segments and self.q_segment_ids is self.kv_segment_ids
-
-  @property
-  def has_segments(self) -> bool:
-    return self.q_segment_ids is not None
+def _fact():
+  """A fact of the array options, set by Call.__post_init__ (compared and hashed in their place)."""
+  return dataclasses.field(init=False, default=None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-  """Shapes, dtype and options of one call; what `unmet()` of each backend reads."""
-  B: int
-  T: int
-  S: int
-  N: int
-  K: int
-  H: int
-  dtype: np.dtype
-  is_causal: bool
-  mask_shape: tuple[int, ...] | None  # 4-d after left-padding with 1s
-  bias_shape: tuple[int, ...] | None
-  dropout: bool  # dropout on the attention weights is requested
-  return_weights: bool  # the caller wants the (B, N, T, S) weights back
-  precision: object  # None, or the jax PrecisionLike the caller asked for (a Precision, DotAlgorithmPreset, ...)
-  fp8_core: str  # te-fp8's core mode, one of FP8_CORE_MODES
+  """One attention call, validated: the shapes, dtype and device of q, k, v, and every option.
+
+  `describe()` builds it once from attention()'s arguments; plan() and every backend's unmet(),
+  decide() and run() read it, and none derives it again. The options carry attention()'s names
+  and meaning (its docstring). Constructing a Call validates it and raises naming the values.
+  Arrays among the options are neither compared nor hashed; the facts of them that unmet()
+  reads (mask_shape, q_lengths, segments, ...) are, so two calls that plan alike compare equal.
+  """
+  B: int  # batch
+  T: int  # query length
+  S: int  # key/value length
+  N: int  # query heads
+  K: int  # key/value heads, N % K == 0
+  H: int  # head dim
+  dtype: np.dtype  # q/k/v's, as jax runs it
   device: device_lib.DeviceInfo
-  q_lengths: bool = False  # query_seq_lengths given (query padding per row)
-  kv_lengths: bool = False  # key_value_seq_lengths given (key padding per row)
-  causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS
-  segments: bool = False  # segment ids given (packed documents)
-  window: tuple[int, int] | None = None  # sliding window (left, right)
-  shared_segments: bool = False  # one segment_ids array for queries and keys (not a pair)
-  max_segments: int | None = None  # the caller's bound on documents per row (None: T)
-  fp8_delayed: bool = False  # te-fp8's FP8 core scales from an amax history (fp8_amax_history given)
-  bias_dtype: np.dtype | None = None  # the bias's (None: no bias); it may differ from q/k/v's
+  scale: float  # multiplies q k^T; finite, > 0
+  is_causal: bool = False  # query t attends keys s <= p (p: its position, see causal_alignment)
+  mask: object = _array()  # bool, broadcastable to (B, N, T, S); True = may attend
+  bias: object = _array()  # float, broadcastable to (B, N, T, S); added to the scaled scores
+  dropout: Dropout | None = None  # on the attention weights (naive only)
+  precision: object = None  # the score and value matmuls' jax PrecisionLike, or None
+  return_weights: bool = False  # also return the (B, N, T, S) weights (naive only)
+  fp8_core: str = "fp8"  # te-fp8's core mode, one of FP8_CORE_MODES
+  fp8_amax_history: object = _array()  # float32 (3, L): amaxes of q, k, v for te-fp8's delayed scaling
+  query_seq_lengths: object = _array()  # int (B,): row b has Tb real queries
+  key_value_seq_lengths: object = _array()  # int (B,): row b has Sb real keys
+  causal_alignment: str = "top-left"  # one of CAUSAL_ALIGNMENTS (with is_causal)
+  q_segment_ids: object = _array()  # int (B, T): query t's document; 0 = padding
+  kv_segment_ids: object = _array()  # int (B, S): key s's document; 0 = padding
+  window: tuple[int, int] | None = None  # (left, right): the query at p attends keys in [p - left, p + right]
+  max_segments: int | None = None  # most documents (runs of one non-zero id) in a row; None: T
+  mask_shape: tuple[int, ...] | None = _fact()  # the mask's, 4-d after left-padding with 1s
+  bias_shape: tuple[int, ...] | None = _fact()  # the bias's, likewise
+  bias_dtype: np.dtype | None = _fact()  # the bias's (it may differ from q/k/v's)
+  q_lengths: bool = _fact()  # query_seq_lengths given (query padding per row)
+  kv_lengths: bool = _fact()  # key_value_seq_lengths given (key padding per row)
+  segments: bool = _fact()  # segment ids given (packed documents)
+  shared_segments: bool = _fact()  # one segment_ids array for queries and keys (not a pair)
+  fp8_delayed: bool = _fact()  # te-fp8's FP8 core scales from an amax history
+
+  def __post_init__(self):
+    check_is_causal(self.is_causal)
+    self._set(is_causal=bool(self.is_causal), scale=_check_scale(self.scale), return_weights=bool(self.return_weights))
+    if self.fp8_core not in FP8_CORE_MODES:
+      raise ArgumentError(f"fp8_core must be one of {', '.join(map(repr, FP8_CORE_MODES))}; got {self.fp8_core!r}",
+                          arguments=("fp8_core",), value=self.fp8_core, expected=f"one of {FP8_CORE_MODES}")
+    if self.fp8_amax_history is not None:
+      check_amax_history(self.fp8_amax_history, self.fp8_core)
+    if self.causal_alignment not in CAUSAL_ALIGNMENTS:
+      raise ArgumentError(f"causal_alignment must be one of {', '.join(map(repr, CAUSAL_ALIGNMENTS))}; "
+                          f"got {self.causal_alignment!r}", arguments=("causal_alignment",),
+                          value=self.causal_alignment, expected=f"one of {CAUSAL_ALIGNMENTS}")
+    if self.causal_alignment != "top-left" and not self.is_causal:
+      raise ArgumentError(f"causal_alignment={self.causal_alignment!r} places a causal mask; it needs "
+                          "is_causal=True (without it every query attends every real key, and the lengths alone say "
+                          "which)", arguments=("is_causal", "causal_alignment"), value=self.is_causal, expected="True")
+    if self.dropout is not None and not (0.0 < self.dropout.rate < 1.0):
+      raise ValueError(f"dropout rate must be in (0, 1); got {self.dropout.rate}")
+    if self.dropout is not None and self.dropout.rng is None:
+      raise ValueError(f"dropout_rate={self.dropout.rate} needs a dropout_rng (a jax PRNG key)")
+    if self.max_segments is not None:
+      if self.q_segment_ids is None:
+        raise ArgumentError("max_segments= bounds the documents of segment_ids=; pass segment_ids too (or drop it)",
+                            arguments=("max_segments", "segment_ids"), value=self.max_segments, expected="None")
+      if not is_integer(self.max_segments) or self.max_segments < 1:
+        raise ArgumentError(f"max_segments must be an int >= 1, the most documents any row holds; "
+                            f"got {self.max_segments!r}", arguments=("max_segments",), value=self.max_segments,
+                            expected="an int >= 1")
+      self._set(max_segments=int(self.max_segments))
+    self._set(window=check_window(self.window))
+    self._check_arrays()
+
+  def _set(self, **values) -> None:
+    for name, value in values.items():
+      object.__setattr__(self, name, value)
+
+  def _check_arrays(self) -> None:
+    """Validates the array options against the shapes and records the facts of them."""
+    B, T, S = self.B, self.T, self.S
+    target, letters = (B, self.N, T, S), "B, N, T, S"
+    if self.mask is not None:
+      _array_like("mask", self.mask)
+      if self.mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be boolean (True = may attend); got {self.mask.dtype}. Pass mask.astype(bool) "
+                         "if nonzero means attend, or mask == 0 if your convention is True = masked out; an additive "
+                         "mask (0 / -inf) goes in bias=.")
+      self._set(mask_shape=_check_broadcast("mask", self.mask, target, letters))
+    if self.bias is not None:
+      _array_like("bias", self.bias)
+      if not jnp.issubdtype(self.bias.dtype, jnp.floating):
+        raise ValueError(f"bias must be floating point; got {self.bias.dtype}")
+      self._set(bias_shape=_check_broadcast("bias", self.bias, target, letters),
+                bias_dtype=np.dtype(jax.dtypes.canonicalize_dtype(self.bias.dtype)))
+    if self.query_seq_lengths is not None:
+      _check_lengths("query_seq_lengths", self.query_seq_lengths, B, T, "T")
+    if self.key_value_seq_lengths is not None:
+      _check_lengths("key_value_seq_lengths", self.key_value_seq_lengths, B, S, "S")
+    shared = self.q_segment_ids is not None and self.q_segment_ids is self.kv_segment_ids
+    if self.q_segment_ids is not None:
+      if shared and T != S:
+        raise ValueError(f"one segment_ids array serves queries and keys only when T == S; got T={T}, S={S}. "
+                         "Pass a pair (q_segment_ids (B, T), kv_segment_ids (B, S)).")
+      q_name = "segment_ids" if shared else "q_segment_ids"  # named as the caller gave them
+      _check_segment_ids(q_name, self.q_segment_ids, (B, T), "(B, T)")
+      _check_segment_ids("kv_segment_ids", self.kv_segment_ids, (B, S), "(B, S)")
+      if self.max_segments is not None:
+        sides = ((q_name, self.q_segment_ids),) + (() if shared else (("kv_segment_ids", self.kv_segment_ids),))
+        for name, ids in sides:
+          _check_max_segments(name, ids, self.max_segments)
+    self._set(q_lengths=self.query_seq_lengths is not None, kv_lengths=self.key_value_seq_lengths is not None,
+              segments=self.q_segment_ids is not None, shared_segments=shared,
+              fp8_delayed=self.fp8_amax_history is not None)
 
   @property
   def has_lengths(self) -> bool:
@@ -137,7 +222,9 @@ class Call:
 
   @property
   def bottom_right(self) -> bool:
-    """Causal with the queries at the end of the keys, where that differs from top-left (T != S or lengths)."""
+    """Causal with the queries at the end of the keys, where that differs from top-left (T != S or lengths).
+
+    The one statement of the rule: _masks places the queries by it, and the backends pick their mask types by it."""
     return self.is_causal and self.causal_alignment == "bottom-right" and (self.T != self.S or self.has_lengths)
 
   def shape_str(self) -> str:
@@ -180,47 +267,18 @@ def check_is_causal(is_causal) -> None:
     raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
 
 
-def options(*, scale, is_causal, mask=None, bias=None, dropout: Dropout | None = None, precision=None,
-            return_weights: bool = False, fp8_core: str = "fp8", query_seq_lengths=None, key_value_seq_lengths=None,
-            causal_alignment: str = "top-left", segment_ids=None, window=None, max_segments=None,
-            fp8_amax_history=None, head_dim: int) -> Options:
-  """Validates the scalar options of a call (scale, is_causal, fp8_core) and returns them as one Options."""
-  check_is_causal(is_causal)
-  if scale is None:
-    scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0  # H == 0 is reported by describe()
-  elif isinstance(scale, jax.core.Tracer):
+def _check_scale(scale) -> float:
+  """A call's scale as a float: a real number (not a bool), finite, > 0, known when the call is traced."""
+  if isinstance(scale, jax.core.Tracer):
     raise TypeError("scale must be a Python number known when the call is traced (it is a static option of the "
                     "fused kernels); got a traced value. Pass it as a constant, or scale q by it and pass scale=1.0.")
-  elif not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) or np.ndim(scale) != 0 or \
+  if not isinstance(scale, (numbers.Real, np.ndarray, jax.Array)) or np.ndim(scale) != 0 or \
       isinstance(scale, (bool, np.bool_)) or np.asarray(scale).dtype == bool:
     raise TypeError(f"scale must be a real number (a bool is not one: True would scale by 1); got {scale!r}")
   scale = float(scale)
   if not (math.isfinite(scale) and scale > 0):
     raise ValueError(f"scale must be a finite number > 0 (default 1/sqrt(H)); got {scale}")
-  if fp8_core not in FP8_CORE_MODES:
-    raise ValueError(f"fp8_core must be one of {', '.join(map(repr, FP8_CORE_MODES))}; got {fp8_core!r}")
-  if fp8_amax_history is not None:
-    check_amax_history(fp8_amax_history, fp8_core)
-  if causal_alignment not in CAUSAL_ALIGNMENTS:
-    raise ValueError(f"causal_alignment must be one of {', '.join(map(repr, CAUSAL_ALIGNMENTS))}; got {causal_alignment!r}")
-  if causal_alignment != "top-left" and not is_causal:
-    raise ValueError(f"causal_alignment={causal_alignment!r} places a causal mask; it needs is_causal=True "
-                     "(without it every query attends every real key, and the lengths alone say which)")
-  if dropout is not None and not (0.0 < dropout.rate < 1.0):
-    raise ValueError(f"dropout rate must be in (0, 1); got {dropout.rate}")
-  if dropout is not None and dropout.rng is None:
-    raise ValueError(f"dropout_rate={dropout.rate} needs a dropout_rng (a jax PRNG key)")
-  q_ids, kv_ids = _split_segment_ids(segment_ids)
-  if max_segments is not None:
-    if segment_ids is None:
-      raise ValueError("max_segments= bounds the documents of segment_ids=; pass segment_ids too (or drop it)")
-    if not is_integer(max_segments) or max_segments < 1:
-      raise ValueError(f"max_segments must be an int >= 1, the most documents any row holds; got {max_segments!r}")
-  return Options(scale=scale, is_causal=bool(is_causal), mask=mask, bias=bias, dropout=dropout, precision=precision,
-                 return_weights=bool(return_weights), fp8_core=fp8_core, query_seq_lengths=query_seq_lengths,
-                 key_value_seq_lengths=key_value_seq_lengths, causal_alignment=causal_alignment,
-                 q_segment_ids=q_ids, kv_segment_ids=kv_ids, window=check_window(window),
-                 max_segments=None if max_segments is None else int(max_segments), fp8_amax_history=fp8_amax_history)
+  return scale
 
 
 def check_amax_history(history, fp8_core: str) -> None:
@@ -244,11 +302,13 @@ def check_window(window) -> tuple[int, int] | None:
   ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
       is_integer(w) and w >= 0 for w in window)
   if not ok:
-    raise ValueError(f"window must be (left, right), two ints >= 0: a query at position p attends keys in "
-                     f"[p - left, p + right] (causal: right = 0; None: no window); got {window!r}")
+    raise ArgumentError(f"window must be (left, right), two ints >= 0: a query at position p attends keys in "
+                        f"[p - left, p + right] (causal: right = 0; None: no window); got {window!r}",
+                        arguments=("window",), value=window, expected="(left, right), two ints >= 0")
   if max(window) > WINDOW_MAX:  # positions are int32: p + right must not wrap
-    raise ValueError(f"window sides must be at most 2**30 ({WINDOW_MAX}): a side as long as the sequence already "
-                     f"reaches every key that way (None: no window); got {window!r}")
+    raise ArgumentError(f"window sides must be at most 2**30 ({WINDOW_MAX}): a side as long as the sequence "
+                        f"already reaches every key that way (None: no window); got {window!r}",
+                        arguments=("window",), value=window, expected=f"sides <= {WINDOW_MAX}")
   return int(window[0]), int(window[1])
 
 
@@ -279,8 +339,14 @@ def _check_lengths(name: str, x, B: int, limit: int, letter: str) -> None:
                      f"{[int(values[b]) for b in bad[:5]]}")
 
 
-def describe(q, k, v, opts: Options) -> Call:
-  """Validates q/k/v/mask/bias and returns the call's description; raises naming the values."""
+def describe(q, k, v, *, scale=None, dropout_rate: float = 0.0, dropout_rng=None, broadcast_dropout: bool = True,
+             segment_ids=None, **options) -> Call:
+  """The one description of a call, from attention()'s arguments (q, k, v may be jax.ShapeDtypeStruct).
+
+  Checks q, k, v, resolves the arguments that the description holds in another form (scale's default,
+  dropout, segment_ids as a (q, kv) pair) and passes the rest to `Call`, which validates them. Raises
+  naming the values.
+  """
   for name, x in (("q", q), ("k", k), ("v", v)):
     _array_like(name, x)
     if x.ndim != 4:
@@ -306,47 +372,11 @@ def describe(q, k, v, opts: Options) -> Call:
     raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}. Cast them to one dtype first.")
   if not jnp.issubdtype(q.dtype, jnp.inexact):  # complex as Flax takes it; which backends run it is their unmet()
     raise ValueError(f"q, k, v must be floating point or complex; got {q.dtype}")
-  target, letters = (B, N, T, S), "B, N, T, S"
-  mask_shape = bias_shape = None
-  if opts.mask is not None:
-    _array_like("mask", opts.mask)
-    if opts.mask.dtype != jnp.bool_:
-      raise ValueError(f"mask must be boolean (True = may attend); got {opts.mask.dtype}. Pass mask.astype(bool) if "
-                       "nonzero means attend, or mask == 0 if your convention is True = masked out; an additive "
-                       "mask (0 / -inf) goes in bias=.")
-    mask_shape = _check_broadcast("mask", opts.mask, target, letters)
-  if opts.bias is not None:
-    _array_like("bias", opts.bias)
-    if not jnp.issubdtype(opts.bias.dtype, jnp.floating):
-      raise ValueError(f"bias must be floating point; got {opts.bias.dtype}")
-    bias_shape = _check_broadcast("bias", opts.bias, target, letters)
-  if opts.query_seq_lengths is not None:
-    _check_lengths("query_seq_lengths", opts.query_seq_lengths, B, T, "T")
-  if opts.key_value_seq_lengths is not None:
-    _check_lengths("key_value_seq_lengths", opts.key_value_seq_lengths, B, S, "S")
-  if opts.has_segments:
-    if opts.q_segment_ids is opts.kv_segment_ids and T != S:
-      raise ValueError(f"one segment_ids array serves queries and keys only when T == S; got T={T}, S={S}. "
-                       "Pass a pair (q_segment_ids (B, T), kv_segment_ids (B, S)).")
-    _check_segment_ids("q_segment_ids" if opts.q_segment_ids is not opts.kv_segment_ids else "segment_ids",
-                       opts.q_segment_ids, (B, T), "(B, T)")
-    _check_segment_ids("kv_segment_ids", opts.kv_segment_ids, (B, S), "(B, S)")
-    if opts.max_segments is not None:
-      q_name = "segment_ids" if opts.shared_segments else "q_segment_ids"  # named as the caller gave them
-      sides = ((q_name, opts.q_segment_ids),) + (() if opts.shared_segments else
-                                                  (("kv_segment_ids", opts.kv_segment_ids),))
-      for name, ids in sides:
-        _check_max_segments(name, ids, opts.max_segments)
-  # the dtype jax runs: numpy float64 is float32 unless jax_enable_x64 is on
-  dtype = np.dtype(jax.dtypes.canonicalize_dtype(q.dtype))
-  return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=dtype, is_causal=opts.is_causal,
-              mask_shape=mask_shape, bias_shape=bias_shape, dropout=opts.dropout is not None,
-              return_weights=opts.return_weights, precision=opts.precision, fp8_core=opts.fp8_core,
-              device=device_lib.of(q, k, v), q_lengths=opts.query_seq_lengths is not None,
-              kv_lengths=opts.key_value_seq_lengths is not None, causal_alignment=opts.causal_alignment,
-              segments=opts.has_segments, window=opts.window, shared_segments=opts.shared_segments,
-              max_segments=opts.max_segments, fp8_delayed=opts.fp8_amax_history is not None,
-              bias_dtype=None if opts.bias is None else np.dtype(jax.dtypes.canonicalize_dtype(opts.bias.dtype)))
+  q_ids, kv_ids = _split_segment_ids(segment_ids)
+  return Call(B=B, T=T, S=S, N=N, K=K, H=H, dtype=np.dtype(jax.dtypes.canonicalize_dtype(q.dtype)),
+              device=device_lib.of(q, k, v), scale=1.0 / math.sqrt(H) if scale is None else scale,
+              dropout=Dropout(dropout_rate, dropout_rng, broadcast_dropout) if dropout_rate else None,
+              q_segment_ids=q_ids, kv_segment_ids=kv_ids, **options)
 
 
 def _check_segment_ids(name: str, x, shape: tuple[int, int], letters: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+from attnlayers import ArgumentError
 from models.ops import KERNELS
 
 WINDOW_KINDS = ("local", "global")  # window_pattern's words: the layer uses the sliding window, or sees every token
@@ -41,17 +42,22 @@ class GPTConfig:
   def __post_init__(self):
     kv = self.n_kv_head or self.n_head
     if self.d_model % self.n_head:
-      raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}): n_head one of "
-                       f"{_divisors(self.d_model)}, or another d_model")
+      raise ArgumentError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}): n_head one of "
+                          f"{_divisors(self.d_model)}, or another d_model", arguments=("n_head", "d_model"),
+                          value=self.n_head, expected=f"one of {_divisors(self.d_model)}")
     if self.n_head % kv:
-      raise ValueError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv}): n_kv_head one of "
-                       f"{_divisors(self.n_head)} (1 = MQA, {self.n_head} = MHA)")
+      raise ArgumentError(f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv}): n_kv_head one of "
+                          f"{_divisors(self.n_head)} (1 = MQA, {self.n_head} = MHA)", arguments=("n_kv_head", "n_head"),
+                          value=kv, expected=f"one of {_divisors(self.n_head)}")
     if self.fp8_core != "fp8" and self.backend != "te-fp8":
-      raise ValueError(f"fp8_core={self.fp8_core!r} applies to backend 'te-fp8' only; got backend {self.backend!r}")
+      raise ArgumentError(f"fp8_core={self.fp8_core!r} applies to backend 'te-fp8' only; got backend {self.backend!r}",
+                          arguments=("fp8_core", "backend"), value=self.fp8_core, expected="'fp8' or backend 'te-fp8'")
     if not isinstance(self.bias, bool):
-      raise ValueError(f"bias must be True (biases in the Linears and LayerNorms) or False (none); got {self.bias!r}")
+      raise ArgumentError(f"bias must be True (biases in the Linears and LayerNorms) or False (none); got "
+                          f"{self.bias!r}", arguments=("bias",), value=self.bias, expected="True or False")
     if self.kernels not in KERNELS:
-      raise ValueError(f"kernels must be one of {KERNELS} (models.kernels); got {self.kernels!r}")
+      raise ArgumentError(f"kernels must be one of {KERNELS} (models.kernels); got {self.kernels!r}",
+                          arguments=("kernels",), value=self.kernels, expected=f"one of {KERNELS}")
     self._check_window()
     if self.window is not None:  # a numpy int (is_integer takes them) kept as the Python int that JSON records
       object.__setattr__(self, "window", int(self.window))
@@ -59,31 +65,39 @@ class GPTConfig:
   def _check_window(self) -> None:
     w, kinds = self.window, self.pattern.split(",")
     if w is not None and (not is_integer(w) or w < 1):
-      raise ValueError(f"window must be an int >= 1 (tokens each query sees, itself included) or None for "
-                       f"every earlier token; got {w!r}")
+      raise ArgumentError(f"window must be an int >= 1 (tokens each query sees, itself included) or None for "
+                          f"every earlier token; got {w!r}", arguments=("window",), value=w, expected="an int >= 1")
     if w is not None and not self.causal:
-      raise ValueError(f"window ({w}) applies to causal models: a window of N tokens is the query and the N - 1 "
-                       "before it; a bidirectional model (causal=False) takes window=None")
+      raise ArgumentError(f"window ({w}) applies to causal models: a window of N tokens is the query and the N - 1 "
+                          "before it; a bidirectional model (causal=False) takes window=None",
+                          arguments=("window", "causal"), value=w, expected="None")
     if any(k not in WINDOW_KINDS for k in kinds) or "local" not in kinds:
-      raise ValueError(f"window_pattern must list {' or '.join(map(repr, WINDOW_KINDS))} per layer, comma-separated, "
-                       f"at least one 'local' (e.g. 'local,global'); got {self.window_pattern!r}")
+      raise ArgumentError(f"window_pattern must list {' or '.join(map(repr, WINDOW_KINDS))} per layer, "
+                          f"comma-separated, at least one 'local' (e.g. 'local,global'); got {self.window_pattern!r}",
+                          arguments=("window_pattern",), value=self.window_pattern,
+                          expected="'local' and 'global' per layer, at least one 'local'")
     if w is None and self.window_pattern is not None:
-      raise ValueError(f"window_pattern {self.window_pattern!r} says which layers use the window; give window "
-                       "(tokens per window) too")
+      raise ArgumentError(f"window_pattern {self.window_pattern!r} says which layers use the window; give window "
+                          "(tokens per window) too", arguments=("window", "window_pattern"), value=w,
+                          expected="an int >= 1")
     layers = layer_kinds(self.pattern, self.n_layer)
     if w is not None and "local" not in layers:  # the pattern's 'local' lies past the last layer
       first = kinds.index("local")
-      raise ValueError(
+      raise ArgumentError(
           f"window_pattern {self.window_pattern!r} makes no layer of the {self.n_layer} (n_layer) local: it is read "
           f"from layer 0 on, so the layers are {','.join(layers)!r} and the window ({w}) would apply to none; put "
           f"'local' among its first {self.n_layer} entries (e.g. {','.join((['local'] + kinds[1:])[:self.n_layer])!r}), "
           f"give "
-          f"n_layer {first + 1} or more, or leave out window for no sliding window")
+          f"n_layer {first + 1} or more, or leave out window for no sliding window",
+          arguments=("window_pattern", "n_layer", "window"), value=self.window_pattern,
+          expected=f"'local' among the first {self.n_layer} entries")
     if len(kinds) > self.n_layer:  # entries past the last layer would never be read
-      raise ValueError(
+      raise ArgumentError(
           f"window_pattern {self.window_pattern!r} has {len(kinds)} entries for {self.n_layer} layers (n_layer): "
           f"entries past the last layer would apply to none; give at most {self.n_layer} (e.g. "
-          f"{','.join(kinds[:self.n_layer])!r}, which is what these layers would use) or more layers")
+          f"{','.join(kinds[:self.n_layer])!r}, which is what these layers would use) or more layers",
+          arguments=("window_pattern", "n_layer"), value=self.window_pattern,
+          expected=f"at most {self.n_layer} entries")
 
   def layer_window(self, layer: int) -> tuple[int, int] | None:
     """Layer `layer`'s sliding_window for attnlayers: (window - 1, 0), or None where it attends every earlier

@@ -579,7 +579,8 @@ def test_the_raw_te_call_takes_the_settings_attnlayers_hands_te(monkeypatch, cau
   B, T, N, H = 2, 256, 4, 128  # H = 128, as the GPU test's (2, 1024, 4, 128): 128 ** -0.5 != 1 / sqrt(128)
   q = jnp.zeros((B, T, N, H), jnp.bfloat16)
   wrapper.te_raw(q, q, q, causal)
-  te_backend.run(q, q, q, spec.options(scale=None, is_causal=causal, head_dim=H))
+  call = spec.describe(q, q, q, is_causal=causal)
+  te_backend.run(q, q, q, call, te_backend.decide(call))
   raw, ours = seen
   assert ours == raw, (ours, raw)
-  assert ours["scaling_factor"] == spec.options(scale=None, is_causal=False, head_dim=H).scale == 1.0 / math.sqrt(H)
+  assert ours["scaling_factor"] == call.scale == 1.0 / math.sqrt(H)

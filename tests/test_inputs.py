@@ -246,9 +246,8 @@ def test_te_fp8_refuses_weights_and_dropout_with_either_core(monkeypatch):
   x = jnp.zeros((2, 128, 4, 128), jnp.bfloat16)  # an FP8-core shape
 
   def unmet(**kwargs):  # te-fp8's own answer (plan() would also ask te, which imports TransformerEngine)
-    dropout = spec.Dropout(0.1, jax.random.key(0)) if kwargs.pop("dropout", False) else None
-    return te_fp8.unmet(spec.describe(x, x, x, spec.options(scale=None, is_causal=True, head_dim=128,
-                                                            dropout=dropout, **kwargs)))
+    dropout = dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)) if kwargs.pop("dropout", False) else {}
+    return te_fp8.unmet(spec.describe(x, x, x, is_causal=True, **dropout, **kwargs))
   assert unmet() == []  # the call itself runs on the FP8 core
   for kwargs, reason in ((dict(return_weights=True), "never materialises"), (dict(dropout=True), "no dropout")):
     for mode in ("fp8", "fp8-or-bf16"):
@@ -317,3 +316,20 @@ def test_linen_kv_heads_takes_a_numpy_int():
   params = given.init(jax.random.key(0), x)
   assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, plain.init(jax.random.key(0), x))
   np.testing.assert_array_equal(given.apply(params, x), plain.apply(params, x))
+
+
+def test_a_traced_call_is_described_and_planned_once_and_recorded(monkeypatch):
+  """attention() builds one Call and one Plan per call, which recorded_plans() collects from a jit's trace; the
+  backend runs the plan's own Call and decision."""
+  from attnlayers import core
+  described, planned, ran = [], [], []
+  real_describe, real_plan, real_run = spec.describe, core.plan, attnlayers.backends.REGISTRY["xla"].run
+  monkeypatch.setattr(spec, "describe", lambda *a, **kw: described.append(1) or real_describe(*a, **kw))
+  monkeypatch.setattr(core, "plan", lambda *a: planned.append(real_plan(*a)) or planned[-1])
+  monkeypatch.setitem(attnlayers.backends.REGISTRY, "xla", attnlayers.backends.REGISTRY["xla"].__class__(
+      **{**vars(attnlayers.backends.REGISTRY["xla"]), "run": lambda *a: ran.append(a[3:]) or real_run(*a)}))
+  with core.recorded_plans() as plans:
+    jax.jit(lambda q, kv: attnlayers.attention(q, kv, kv, backend="xla", is_causal=True)).lower(q, kv)
+  assert len(described) == len(planned) == len(plans) == len(ran) == 1
+  assert plans[0] is planned[0] and ran[0] == (plans[0].call, plans[0].decision)
+  assert plans[0].call.is_causal and plans[0].chosen == "xla"

@@ -124,29 +124,3 @@ def test_a_labelled_figure_counts_where_its_label_shares_a_word_with_the_sentenc
   printed = "```\n  forward+backward:    60.76 ms\nstep (with AdamW):    65.13 ms\n```\n"
   assert not figures.check("The step took 65.13 ms (`step.md`).", {"step.md": printed})[1]
   assert figures.check("The step took 60.76 ms (`step.md`).", {"step.md": printed})[1]
-
-
-def test_te_fp8_speed_note_quotes_the_result_files_it_names():
-  """te-fp8's explain() note on where FP8 pays (attnlayers.backends.te_fp8.SPEED) is copied from results too."""
-  import jax.numpy as jnp
-
-  from attnlayers import spec
-  from attnlayers.backends import te_fp8
-  source = {"1.012": "gpt2-small/a2472b7-bias/train.md", "1.058": "gpt2-small/a2472b7-bias/train.md",
-            "1.034": "gpt2-small/a2472b7-bias-repeat/train.md", "1.051": "gpt2-small/a2472b7-bias-repeat/train.md",
-            "1.028": "gpt2-small/96cf60d-bias/train.md", "1.048": "gpt2-small/96cf60d-bias/train.md",
-            "1.052": "gpt2-small/bias/train.md", "1.029": "gpt2-small/bias/train.md", "1.044": "gpt2-small/train.md", "1.037": "gpt2-small/steps300/train.md",
-            "1.027": "gpt2-small/187a03c-train.md", "0.992": "gpt2-small/e29f464-train.md",
-            "0.9893": "gpt2-small/03c8adb-train.md", "1.013": "gpt2-small/f626088-train.md",
-            "1.091": "gpt2-medium/train.md", "1.128": "gpt2-medium/f626088-train.md",
-            "1.277": "gpt-1b/train.md"}  # each figure of the note, and the file it is copied from
-  assert all(n in Path(te_fp8.__file__).read_text() for n in source.values())  # the module names its sources
-  assert FIGURE.findall(te_fp8.SPEED) == list(source)
-  for figure, name in source.items():  # each is te-fp8's vs_cudnn, in the row with biases unless the note says without
-    bias = "without" if f"{figure}x without biases" in te_fp8.SPEED else "with"
-    rows = [r for r in figures.records(name, (RESULTS / name).read_text())
-            if r.key and r.key["backend"] == "te-fp8" and r.key.get("bias", "with") == bias]  # older files: with
-    assert [r.cells["vs_cudnn"] for r in rows] == [figure], (figure, name, bias)
-  q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
-  call = spec.describe(q, q, q, spec.Options(scale=1.0, fp8_core="fp8-or-bf16"))
-  assert te_fp8.notes(call)[-1] == te_fp8.SPEED

@@ -19,7 +19,6 @@ import dataclasses
 import glob
 import json
 import os
-import re
 import shlex
 import sys
 import time
@@ -184,15 +183,23 @@ def _sample_command(ckpt_dir: str, prompt: str | None, tokenizer: str) -> str:
   return f"sample from it ({needs}) with:\n  {command}" if needs else f"sample from it with:\n  {command}"
 
 
+# The flags that do what a library error's structured fields ask, as _flag_hint adds them: for the arguments in
+# BackendUnavailableError.fixes, and for ArgumentError.argument
+FIX_FLAGS = {"dtype": "--dtype bfloat16 (or float16 on a GPU) the compute dtype",
+             "fp8_core": "--fp8-core fp8-or-bf16 te-fp8's core where it cannot run in FP8"}
+ARGUMENT_FLAGS = {"kernel": "--kernels"}  # followed by what the error expects, unquoted
+
+
 def _flag_hint(e: Exception, a: argparse.Namespace) -> str:
-  """The flags that do what a library message suggests in Python terms (backend=..., dtype=..., kernel=...)."""
+  """The flags that do what a library error asks in Python terms (backend=..., dtype=..., kernel=...), read from
+  its structured fields. The dtype flag is named wherever the run's dtype is not a half one."""
   if isinstance(e, attnlayers.BackendUnavailableError):
-    core = ", --fp8-core fp8-or-bf16 te-fp8's core where it cannot run in FP8" if "fp8_core=" in str(e) else ""
     half = (a.dtype or models.preset(a.preset).dtype) in ("bfloat16", "float16")  # given, or the preset's
-    dtype = "" if half else ", --dtype bfloat16 (or float16 on a GPU) the compute dtype"
-    return f"\nhere: --attn NAME picks the backend{dtype}{core}"
-  if a.kernels == "pallas" and "kernel='pallas'" in str(e):
-    return "\nhere: --kernels xla, interpret or auto"
+    asked = {"dtype": not half, "fp8_core": "fp8_core" in e.fixes}
+    return "\nhere: --attn NAME picks the backend" + "".join(f", {FIX_FLAGS[k]}" for k, on in asked.items() if on)
+  if isinstance(e, attnlayers.ArgumentError) and e.argument in ARGUMENT_FLAGS:
+    values = (e.expected or "").replace("'", "")  # "'xla' or 'auto'" as flag values: "xla or auto"
+    return f"\nhere: {ARGUMENT_FLAGS[e.argument]} {values}"
   return ""
 
 
@@ -241,11 +248,12 @@ def _settings_unlike_process_0(cfg: config.TrainConfig) -> str | None:
 RUN_MODEL_FLAGS = {"fp8_core": "--fp8-core", "backend": "--attn"}
 
 
-def _flags_named(message: str) -> str:
-  """' (FIELD is FLAG, ...)' for the model fields a GPTConfig message names (checkpoint.MODEL_FLAGS,
-  RUN_MODEL_FLAGS), else ''."""
+def _flags_named(e: Exception) -> str:
+  """' (FIELD is FLAG, ...)' for the model fields a GPTConfig error names (its ArgumentError.arguments, read through
+  checkpoint.MODEL_FLAGS and RUN_MODEL_FLAGS), else ''."""
+  arguments = e.arguments if isinstance(e, attnlayers.ArgumentError) else ()
   named = [f"{field} is {flag}" for field, flag in (checkpoint.MODEL_FLAGS | RUN_MODEL_FLAGS).items()
-           if re.search(rf"(?<![\w-]){field}(?![\w-])", message)]
+           if field in arguments]
   return f" ({', '.join(named)})" if named else ""
 
 
@@ -323,7 +331,7 @@ def _built(s: Start) -> str | None:
                             window=s.a.window, window_pattern=s.a.window_pattern, kernels=s.a.kernels)
     s.cfg = _config(s.a, s.model, s.walk)
   except ValueError as e:
-    return f"{e}{_flags_named(str(e))}"
+    return f"{e}{_flags_named(e)}"
   return None
 
 

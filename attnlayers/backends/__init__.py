@@ -3,8 +3,10 @@
   NAME: str, SUMMARY: str
   MIN_CC: (major, minor) compute capability it needs on an NVIDIA GPU, or None (any device)
   unmet(call: spec.Call) -> list[str]       every requirement this call misses ([] = can run)
-  run(q, k, v, opts: spec.Options) -> (B, T, N, H), or (out, weights) when opts.return_weights
-  notes(call) -> list[str]                  optional: how a runnable call runs (shown by explain)
+  decide(call) -> a frozen decision         optional: how it runs a call it can run (mask form, layout,
+                                            core); plan() makes it once and records it (default None)
+  run(q, k, v, call, decision) -> (B, T, N, H), or (out, weights) when call.return_weights
+  notes(call, decision) -> list[str]        optional: the decision in words (shown by explain)
 
 `auto` is not a backend: it is the first of AUTO_ORDER whose `unmet` is empty.
 """
@@ -23,16 +25,22 @@ class Backend:
   summary: str
   min_cc: tuple[int, int] | None  # NVIDIA compute capability it needs; None: runs on any device
   unmet: Callable  # (Call) -> list[str]
-  run: Callable  # (q, k, v, Options) -> out
-  notes: Callable  # (Call) -> list[str]: how it runs a call it can run
+  decide: Callable  # (Call) -> decision: how it runs a call it can run
+  run: Callable  # (q, k, v, Call, decision) -> out
+  notes: Callable  # (Call, decision) -> list[str]: the decision in words
 
 
-def _no_notes(call) -> list[str]:
+def _no_decision(call) -> None:
+  return None
+
+
+def _no_notes(call, decision) -> list[str]:
   return []
 
 
 REGISTRY: dict[str, Backend] = {
-    m.NAME: Backend(m.NAME, m.SUMMARY, m.MIN_CC, m.unmet, m.run, getattr(m, "notes", _no_notes))
+    m.NAME: Backend(m.NAME, m.SUMMARY, m.MIN_CC, m.unmet, getattr(m, "decide", _no_decision), m.run,
+                    getattr(m, "notes", _no_notes))
     for m in (naive, xla, cudnn, te, te_fp8)
 }
 AUTO = "auto"

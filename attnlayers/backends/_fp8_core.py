@@ -13,10 +13,8 @@ takes q/k/v scales from an amax history instead, under the same rule for P and O
             binade of margin covers P's own FP8 rounding.
 Forward: cuDNN FP8 kernel (Q.K^T and P.V as FP8 GEMMs, fp32 softmax). Backward: cuDNN's
 bf16 flash backward, fed by the FP8 forward's own softmax statistics and the dequantised
-tensors, so nothing is recomputed. cuDNN's FP8 backward also exists; benchmarks/fp8.py
-times both: on our H200 the FP8 one is at most a few percent faster (the latest figures are
-in benchmarks/results/h200/fp8.md), and its dP scale would need an amax history of dP,
-so both cores use the bf16 one.
+tensors, so nothing is recomputed. cuDNN's FP8 backward also exists (benchmarks/fp8.py times
+both); its dP scale would need an amax history of dP, so both cores use the bf16 one.
 """
 
 from __future__ import annotations
@@ -128,7 +126,7 @@ def quantized_forward(q8, k8, v8, scales, dtype, *, scale: float, is_causal: boo
   """The FP8 forward on quantised q8/k8/v8 (x8 = x * s for scales s = (sq, sk, sv), powers of two):
   (O (B, T, N, H) in `dtype`, the softmax statistics the backward takes). O's scale is sv / 2: |O| <= max|v8| / sv, and the
   2 absorbs P's FP8 rounding. The training kernel runs for every call, a forward alone too: it also writes
-  the statistics, and on the H200 it was the faster of the two (benchmarks/fp8.py times both)."""
+  the statistics the backward takes (benchmarks/fp8.py times it against the inference kernel)."""
   sq, sk, sv = scales
   scale_o = sv / 2
   outs = fp8_forward(q8, k8, v8, (1 / sq, 1 / sk, 1 / sv), scale_o, scale=scale, is_causal=is_causal, training=True)

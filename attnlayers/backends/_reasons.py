@@ -12,6 +12,22 @@ from attnlayers.spec import Call
 HALF = (np.dtype("float16"), np.dtype("bfloat16"))
 
 
+class Reason(str):
+  """One unmet requirement in words, and where changing one argument of the call meets it, which and to what.
+
+  Attributes:
+    argument: that argument's name (attention()'s, or "dtype" for q/k/v's), or None.
+    expected: the value, or values in words, that would work.
+  """
+  argument: str | None
+  expected: str | None
+
+  def __new__(cls, text: str, argument: str | None = None, expected: str | None = None):
+    reason = super().__new__(cls, text)
+    reason.argument, reason.expected = argument, expected
+    return reason
+
+
 def nvidia_gpu(dev: device_lib.DeviceInfo, min_cc: tuple[int, int], what: str) -> list[str]:
   if not dev.is_cuda:
     return [f"{what} needs an NVIDIA GPU with compute capability >= {min_cc[0]}.{min_cc[1]}; "
@@ -39,12 +55,13 @@ def half_precision(call: Call, what: str) -> list[str]:
   if call.dtype in HALF:
     return []
   if np.issubdtype(call.dtype, np.complexfloating):
-    return [f"{what} takes no complex inputs (got {call.dtype.name}); use backend='naive'"]
+    return [Reason(f"{what} takes no complex inputs (got {call.dtype.name}); use backend='naive'")]
   if is_narrow_float(call.dtype):
-    return [f"{what} needs float16 or bfloat16 q/k/v; got {call.dtype.name}, which only 'naive' runs (use "
-            "backend='naive', or cast the inputs to bfloat16)"]
-  return [f"{what} needs float16 or bfloat16 q/k/v; got {call.dtype.name} "
-          "(cast the inputs, e.g. the layer's dtype=jnp.bfloat16, or use backend='xla' for float32)"]
+    return [Reason(f"{what} needs float16 or bfloat16 q/k/v; got {call.dtype.name}, which only 'naive' runs (use "
+                   "backend='naive', or cast the inputs to bfloat16)", "dtype", "bfloat16")]
+  return [Reason(f"{what} needs float16 or bfloat16 q/k/v; got {call.dtype.name} "
+                 "(cast the inputs, e.g. the layer's dtype=jnp.bfloat16, or use backend='xla' for float32)",
+                 "dtype", "float16 or bfloat16")]
 
 
 def is_default_precision(precision) -> bool:

@@ -21,11 +21,13 @@ cuDNN's packed layout only in a private module; backend='te' runs them packed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from attnlayers.backends import _masks, _reasons
-from attnlayers.spec import Call, Options
+from attnlayers.spec import Call
 
 NAME = "cudnn"
 SUMMARY = "jax.nn.dot_product_attention(implementation='cudnn'); flash attention, GPU, fp16/bf16"
@@ -46,9 +48,10 @@ def unmet(call: Call) -> list[str]:
   if call.H % 8 or call.H > h_max:
     where = f"on {call.device.describe()}" if call.device.is_cuda else "(256 from compute capability 9.0)"
     reasons.append(f"cuDNN needs a head dim that is a multiple of 8 and <= {h_max} {where}; got H={call.H}")
-  has_bias = call.mask_shape is not None or call.bias_shape is not None or _as_mask(call)
+  as_mask = decide(call).masks == "rule"
+  has_bias = call.mask_shape is not None or call.bias_shape is not None or as_mask
   if has_bias and (call.T % 2 or call.S % 2):
-    why = " (bottom-right causal or lengths with a mask become one)" if _as_mask(call) else ""
+    why = " (bottom-right causal or lengths with a mask become one)" if as_mask else ""
     reasons.append(f"cuDNN with a mask or bias{why} needs even T and S (its backward pass requires it); "
                    f"got T={call.T}, S={call.S}")
   return reasons + _reasons.fused_only(call, NAME, exact_half_products=True) + _window_reasons(call)
@@ -65,27 +68,45 @@ def _window_reasons(call: Call) -> list[str]:
     reasons.append(f"cuDNN through jax runs only causal sliding windows: it has no right bound, and a non-causal "
                    f"window {call.window} either raises in jax or attends to later keys (jax PR #39576); "
                    "backend='te' takes (left, right) windows")
-  elif call.bottom_right or _as_mask(call):
+  elif call.bottom_right or decide(call).masks == "rule":
     reasons.append("cuDNN's sliding window is aligned top-left; bottom-right causality (a KV cache) or lengths "
                    "together with a mask need another alignment: backend='te' or 'xla'")
   return reasons
 
 
-def _as_mask(call) -> bool:
-  """Whether the lengths/causal rule reaches cuDNN as a mask: bottom-right causal beyond one query (jax
-  has no such mask type), or lengths together with the caller's mask or bias."""
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """How run() hands a call to jax's cuDNN attention."""
+  masks: str  # "native": is_causal, mask and bias as given; "lengths": cuDNN's padding mask from the lengths;
+  # "rule": lengths, causality and the caller's mask as one (B, 1, T, S) mask (an additive bias in cuDNN)
+  causal: bool  # cuDNN's own causal mask (top-left)
+  window: tuple[int, int] | None  # local_window_size: (left, 0), the causal mask cuts the right side
+  forward_only: bool  # one query with a padding mask: jax's cuDNN backward refuses T = 1
+  finish: bool  # _masks.finish zeroes the rows the kernel leaves with no key
+
+
+def decide(call: Call) -> Decision:
+  """The rule reaches cuDNN as one mask where jax has no mask type for it: bottom-right causal beyond one
+  query, or lengths together with the caller's mask or bias. Else cuDNN's own masks take it."""
   user = call.mask_shape is not None or call.bias_shape is not None
-  return (call.bottom_right and call.T > 1) or (call.has_lengths and user)
+  if (call.bottom_right and call.T > 1) or (call.has_lengths and user):
+    return Decision("rule", causal=False, window=None, forward_only=False, finish=True)
+  window = None if call.window is None else (call.window[0], 0)  # causal (unmet): the right side is cut at p
+  if not call.has_lengths and not call.bottom_right:
+    return Decision("native", call.is_causal, window, forward_only=False,
+                    finish=call.mask is not None or window is not None)  # rows the mask or window empties: zeros
+  # bottom-right here is one query (T == 1), which sees every real key: the padding mask alone
+  return Decision("lengths", call.is_causal and not call.bottom_right, window, forward_only=call.T == 1, finish=True)
 
 
-def notes(call: Call) -> list[str]:
-  if _as_mask(call):
+def notes(call: Call, decision: Decision) -> list[str]:
+  if decision.masks == "rule":
     return ["lengths and causality as a (B, 1, T, S) mask (an additive bias in cuDNN): jax exposes no bottom-right "
             "causal mask, nor lengths together with a bias"]
   if call.bottom_right:  # T == 1
     return ["one query at the end of its keys: cuDNN's padding mask (key_value_seq_lengths) alone"]
-  window = [f"sliding window: cuDNN's band, local_window_size=({call.window[0]}, 0)"] if call.window else []
-  if call.has_lengths:
+  window = [f"sliding window: cuDNN's band, local_window_size={decision.window}"] if decision.window else []
+  if decision.masks == "lengths":
     return ["cuDNN padding mask from query_seq_lengths / key_value_seq_lengths" + (", causal top-left" if call.is_causal else "")] + window
   return window
 
@@ -96,32 +117,28 @@ def _full_ts(x, T: int, S: int):
   return jnp.broadcast_to(x, x.shape[:2] + (T, S))
 
 
-def run(q, k, v, opts: Options):
-  (B, T), S = q.shape[:2], k.shape[1]
-  bias = None if opts.bias is None else _full_ts(opts.bias, T, S).astype(q.dtype)
-  bottom_right = _masks.bottom_right(opts, T, S)
-  user = opts.mask is not None or opts.bias is not None
-  if (bottom_right and T > 1) or (opts.has_lengths and user):
-    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=_full_ts(_masks.allowed(opts, B, T, S), T, S),
-                                       scale=opts.scale, implementation="cudnn")
-    return _masks.finish(out, opts, S)
-  mask = None if opts.mask is None else _full_ts(opts.mask, T, S)
-  window = None if opts.window is None else (opts.window[0], 0)  # causal (unmet): the right side is cut at p
-  if not opts.has_lengths and not bottom_right:
-    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=opts.scale, is_causal=opts.is_causal,
-                                       local_window_size=window, implementation="cudnn")
-    return out if opts.mask is None and window is None else _masks.finish(out, opts, S)  # rows the mask empties: zeros
-  q_len, kv_len = _masks.lengths(opts, B, T, S)  # T == 1 bottom-right: its query sees every real key
-  padded = lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, scale=opts.scale,
-      is_causal=opts.is_causal and not bottom_right, local_window_size=window, implementation="cudnn")
-  out = _forward_only(padded, q, k, v) if T == 1 else padded(q, k, v)
-  return _masks.finish(out, opts, S)
+def run(q, k, v, call: Call, decision: Decision):
+  T, S = call.T, call.S
+  bias = None if call.bias is None else _full_ts(call.bias, T, S).astype(q.dtype)
+  if decision.masks == "rule":
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=_full_ts(_masks.allowed(call), T, S),
+                                       scale=call.scale, implementation="cudnn")
+  elif decision.masks == "native":
+    mask = None if call.mask is None else _full_ts(call.mask, T, S)
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=call.scale, is_causal=decision.causal,
+                                       local_window_size=decision.window, implementation="cudnn")
+  else:
+    q_len, kv_len = _masks.lengths(call)
+    padded = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len, scale=call.scale, is_causal=decision.causal,
+        local_window_size=decision.window, implementation="cudnn")
+    out = _forward_only(padded, q, k, v) if decision.forward_only else padded(q, k, v)
+  return _masks.finish(out, call) if decision.finish else out
 
 
 def _forward_only(fn, q, k, v):
   """fn(q, k, v), whose gradient raises: jax's cuDNN attention runs one query with a padding mask (a decode
-  step) forward, but its backward refuses T=1 ("Unsupported sequence length Q 1", jax 0.11.2)."""
+  step) forward, but its backward refuses T=1 ("Unsupported sequence length Q 1")."""
   @jax.custom_vjp
   def f(q, k, v):
     return fn(q, k, v)

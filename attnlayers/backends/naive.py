@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from attnlayers.backends import _masks
-from attnlayers.spec import Call, Options
+from attnlayers.spec import Call
 
 NAME = "naive"
 SUMMARY = "hand-written einsum/softmax; materialises (B, N, T, S) weights; the reference"
@@ -25,9 +25,9 @@ def unmet(call: Call) -> list[str]:
   return []  # runs anywhere jax runs
 
 
-def run(q, k, v, opts: Options):
-  scale, bias = opts.scale, opts.bias
-  dropout, precision = opts.dropout, opts.precision
+def run(q, k, v, call: Call, decision=None):
+  scale, bias = call.scale, call.bias
+  dropout, precision = call.dropout, call.precision
   B, T, N, H = q.shape
   _, S, K, _ = k.shape
   G = N // K  # query heads per kv head; query head n uses kv head n // G
@@ -38,7 +38,7 @@ def run(q, k, v, opts: Options):
   scores = scores.reshape(B, N, T, S) * jnp.float32(scale)  # (B, N, T, S)
   if bias is not None:
     scores = scores + bias.astype(jnp.float32)
-  keep = _masks.allowed(opts, B, T, S)  # lengths, causality and the mask
+  keep = _masks.allowed(call)  # lengths, causality and the mask
   if keep is not None:
     scores = jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # (B, N, T, S)
@@ -50,5 +50,5 @@ def run(q, k, v, opts: Options):
     used = weights * (keep_mask.astype(q.dtype) / jnp.asarray(keep_prob, dtype=q.dtype))
   out = jnp.einsum("bkgts,bskh->btkgh", used.reshape(B, K, G, T, S), v,
                    precision=precision).reshape(B, T, N, H)  # (B, T, N, H)
-  out = _masks.finish(out, opts, S)
-  return (out, weights) if opts.return_weights else out
+  out = _masks.finish(out, call)
+  return (out, weights) if call.return_weights else out

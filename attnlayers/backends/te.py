@@ -22,12 +22,12 @@ so the kernel skips the other documents' blocks rather than masking them.
 
 from __future__ import annotations
 
-import types
+import dataclasses
 
 import jax.numpy as jnp
 
 from attnlayers.backends import _masks, _packing, _reasons
-from attnlayers.spec import Call, Options
+from attnlayers.spec import Call
 
 NAME = "te"
 SUMMARY = "TransformerEngine fused attention (transformer_engine.jax); GPU, fp16/bf16"
@@ -39,38 +39,34 @@ def _te():
   return attention
 
 
-def _mask_type(te, call):
-  """TE's mask type for a call (a Call, or _shape_of's stand-in): padding where there are lengths."""
-  one_query_at_end = call.bottom_right and call.T == 1 and call.window is None  # it sees every real key
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """How run() hands a call to TE's fused_attn. TE's enums by member name: TE is imported only to run."""
+  mask_type: str  # an AttnMaskType: PADDING_ where there are lengths or segments, causal as aligned
+  layout: str  # a QKVLayout: THD_THD_THD for packed documents, else BSHD_BSHD_BSHD
+  window_size: tuple[int, int] | None  # (left, right), -1 for a side that spans every key; None: no window
+  bias: bool  # the caller's mask and bias go in as one post-scale bias
+  max_segments_per_seq: int | None  # packed: sequences per row (max_segments, or T); else None
+
+
+def decide(call: Call) -> Decision:
+  """TE's settings for a call. One query at the end of its keys (a decode step) sees every real key, so it
+  takes the padding mask alone. A window is (left, right) with -1 for a side that spans every key (a query's
+  position is below max(T, S), so left >= max(T, S) reaches key 0 from every one), right 0 under a causal mask
+  (cuDNN's right bound would replace the causal one)."""
+  one_query_at_end = call.bottom_right and call.T == 1 and call.window is None
   padding = call.has_lengths or one_query_at_end or call.segments  # THD takes padding masks only
   if not call.is_causal or one_query_at_end:
-    return te.AttnMaskType.PADDING_MASK if padding else te.AttnMaskType.NO_MASK
-  name = ("PADDING_" if padding else "") + "CAUSAL" + ("_BOTTOM_RIGHT" if call.bottom_right else "") + "_MASK"
-  return getattr(te.AttnMaskType, name)
-
-
-def _shape_of(q, k, opts: Options):
-  """What _mask_type reads, from the arrays and options of a run."""
-  T, S = q.shape[1], k.shape[1]
-  return types.SimpleNamespace(is_causal=opts.is_causal, bottom_right=_masks.bottom_right(opts, T, S),
-                               has_lengths=opts.has_lengths, T=T, S=S, window=opts.window, segments=opts.has_segments)
-
-
-def _layout(te, call):
-  return te.QKVLayout.THD_THD_THD if call.segments else te.QKVLayout.BSHD_BSHD_BSHD
-
-
-def _window_size(call):
-  """TE's window_size: (left, right) with -1 for a side that spans every key (a query's position is below
-  max(T, S), so left >= max(T, S) reaches key 0 from every one), right 0 under a causal mask."""
-  if call.window is None:
-    return None
-  left, right = call.window
-  return (-1 if left >= max(call.T, call.S) else left, 0 if call.is_causal else -1 if right >= call.S else right)
-
-
-def _max_segments(call) -> int:
-  return call.max_segments or call.T
+    mask_type = "PADDING_MASK" if padding else "NO_MASK"
+  else:
+    mask_type = ("PADDING_" if padding else "") + "CAUSAL" + ("_BOTTOM_RIGHT" if call.bottom_right else "") + "_MASK"
+  window = None
+  if call.window is not None:
+    left, right = call.window
+    window = (-1 if left >= max(call.T, call.S) else left, 0 if call.is_causal else -1 if right >= call.S else right)
+  return Decision(mask_type, "THD_THD_THD" if call.segments else "BSHD_BSHD_BSHD", window,
+                  bias=call.mask_shape is not None or call.bias_shape is not None,
+                  max_segments_per_seq=(call.max_segments or call.T) if call.segments else None)
 
 
 def _bias_type(te, has_bias: bool):
@@ -104,17 +100,16 @@ def unmet(call: Call, name: str = NAME) -> list[str]:
   reasons += _segment_reasons(call, name)
   if reasons:
     return reasons
-  te = _te()
-  has_bias = call.mask_shape is not None or call.bias_shape is not None
-  packed = {"max_segments_per_seq": _max_segments(call)} if call.segments else {}
+  te, d = _te(), decide(call)
+  packed = {"max_segments_per_seq": d.max_segments_per_seq} if call.segments else {}
   available = te.is_fused_attn_kernel_available(
-      True, call.B, call.dtype, call.dtype, _layout(te, call), _bias_type(te, has_bias),
-      _mask_type(te, call), te.AttnSoftmaxType.VANILLA_SOFTMAX, 0.0, call.N, call.K, call.T, call.S,
-      call.H, call.H, window_size=_window_size(call), **(_bias_dims(call) if has_bias else {}), **packed)
+      True, call.B, call.dtype, call.dtype, getattr(te.QKVLayout, d.layout), _bias_type(te, d.bias),
+      getattr(te.AttnMaskType, d.mask_type), te.AttnSoftmaxType.VANILLA_SOFTMAX, 0.0, call.N, call.K, call.T, call.S,
+      call.H, call.H, window_size=d.window_size, **(_bias_dims(call) if d.bias else {}), **packed)
   if not available:
-    with_bias = " with a mask/bias (as a post-scale bias)" if has_bias else ""
-    how = f" {_layout(te, call).name} window_size={_window_size(call)}" if call.segments or call.window else ""
-    reasons.append(f"TransformerEngine has no fused kernel for {call.shape_str()} {_mask_type(te, call).name}{with_bias}"
+    with_bias = " with a mask/bias (as a post-scale bias)" if d.bias else ""
+    how = f" {d.layout} window_size={d.window_size}" if call.segments or call.window else ""
+    reasons.append(f"TransformerEngine has no fused kernel for {call.shape_str()} {d.mask_type}{with_bias}"
                    f"{how} on this GPU and cuDNN (is_fused_attn_kernel_available is False)")
   return reasons
 
@@ -137,46 +132,39 @@ def _segment_reasons(call: Call, name: str) -> list[str]:
   return reasons
 
 
-def notes(call: Call) -> list[str]:
-  te, out = _te(), []
+def notes(call: Call, decision: Decision) -> list[str]:
+  out = []
   if call.segments:
-    out.append(f"packed documents: TE's THD layout, {_mask_type(te, call).name}, max_segments_per_seq="
-               f"{_max_segments(call)} (each document one run of its id; rows where one is not, NaN)")
+    out.append(f"packed documents: TE's THD layout, {decision.mask_type}, max_segments_per_seq="
+               f"{decision.max_segments_per_seq} (each document one run of its id; rows where one is not, NaN)")
   elif call.has_lengths or call.bottom_right:
-    out.append(f"TE mask type {_mask_type(te, call).name} with a SequenceDescriptor of the lengths")
+    out.append(f"TE mask type {decision.mask_type} with a SequenceDescriptor of the lengths")
   if call.window is not None:
-    out.append(f"sliding window: TE window_size={_window_size(call)}")
+    out.append(f"sliding window: TE window_size={decision.window_size}")
   return out
 
 
-def run(q, k, v, opts: Options):
+def run(q, k, v, call: Call, decision: Decision):
   te = _te()
-  (B, T, N, _), S = q.shape, k.shape[1]
-  call = _shape_of(q, k, opts)
-  if opts.has_segments:
-    return _run_packed(te, q, k, v, opts, call)
-  # A row with no queries or no keys gets length 1 here: TE's backward gives NaN dk for such rows (measured,
-  # TE 2.20.2 MHA). finish() zeroes that row's outputs, so its gradients are exactly zero as the rule says.
-  lengths = te.SequenceDescriptor.from_seqlens(tuple(jnp.maximum(x, 1) for x in _masks.lengths(opts, B, T, S)))
-  bias = _as_bias(opts.mask, opts.bias, N, T, S, q.dtype)  # (1|B, N, T, S) or None
-  out = te.fused_attn((q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, bias is not None),
-                      qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD, **_shared_args(te, opts, call))
-  return _masks.finish(out, opts, S)
+  args = {"attn_mask_type": getattr(te.AttnMaskType, decision.mask_type),
+          "softmax_type": te.AttnSoftmaxType.VANILLA_SOFTMAX, "scaling_factor": call.scale,
+          "dropout_probability": 0.0, "is_training": True, "window_size": decision.window_size}
+  if call.segments:
+    return _run_packed(te, q, k, v, call, decision.max_segments_per_seq, args)
+  # A row with no queries or no keys gets length 1 here: TE's backward gives NaN dk for such rows. finish()
+  # zeroes that row's outputs, so its gradients are exactly zero as the rule says.
+  lengths = te.SequenceDescriptor.from_seqlens(tuple(jnp.maximum(x, 1) for x in _masks.lengths(call)))
+  bias = _as_bias(call.mask, call.bias, call.N, call.T, call.S, q.dtype) if decision.bias else None  # (1|B, N, T, S)
+  out = te.fused_attn((q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, decision.bias),
+                      qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD, **args)
+  return _masks.finish(out, call)
 
 
-def _shared_args(te, opts: Options, call) -> dict:
-  """The fused_attn arguments of both layouts: mask type, softmax, scale, no dropout, training, window."""
-  return {"attn_mask_type": _mask_type(te, call), "softmax_type": te.AttnSoftmaxType.VANILLA_SOFTMAX,
-          "scaling_factor": opts.scale, "dropout_probability": 0.0, "is_training": True,
-          "window_size": _window_size(call)}
-
-
-def _run_packed(te, q, k, v, opts: Options, call):
-  """Segment ids (one array, T == S) as TE's THD descriptor of run ids and positions in the run."""
-  M = opts.max_segments or q.shape[1]
-  rid, pos, ok = _packing.runs(opts.q_segment_ids, M)  # (B, T), (B, T), (B,)
+def _run_packed(te, q, k, v, call: Call, M: int, args: dict):
+  """Segment ids (one array, T == S) as TE's THD descriptor of run ids and positions in the run; M runs a row."""
+  rid, pos, ok = _packing.runs(call.q_segment_ids, M)  # (B, T), (B, T), (B,)
   _packing.check_concrete(ok, NAME)
   desc = te.SequenceDescriptor.from_segment_ids_and_pos(rid, pos)
   out = te.fused_attn((q, k, v), None, desc, None, attn_bias_type=te.AttnBiasType.NO_BIAS,
-                      qkv_layout=te.QKVLayout.THD_THD_THD, max_segments_per_seq=M, **_shared_args(te, opts, call))
-  return _packing.poison(_masks.finish(out, opts, k.shape[1]), ok)
+                      qkv_layout=te.QKVLayout.THD_THD_THD, max_segments_per_seq=M, **args)
+  return _packing.poison(_masks.finish(out, call), ok)

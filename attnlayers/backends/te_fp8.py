@@ -1,9 +1,9 @@
 """TransformerEngine with FP8: FP8 projections (in the layers) and an FP8 attention core.
 
-The core runs as `Options.fp8_core` says (spec.FP8_CORE_MODES). "fp8", the default: cuDNN's
+The core runs as the call's `fp8_core` says (spec.FP8_CORE_MODES). "fp8", the default: cuDNN's
 FP8 flash attention (head dim 128, T and S multiples of 128, compute capability 9.x/10.x, no
 mask or bias; see _fp8_core) with q/k/v quantised to E4M3 with per-tensor scales (from this
-call's amaxes, or from `Options.fp8_amax_history`: _fp8_delayed), the forward
+call's amaxes, or from the call's `fp8_amax_history`: _fp8_delayed), the forward
 in FP8 and the backward in bf16 from the FP8 forward's statistics; a call it cannot take is
 refused with every reason, never run another way. "fp8-or-bf16": the same where the call
 qualifies, else TransformerEngine's bf16 fused attention (the `te` kernel), and explain()
@@ -17,24 +17,15 @@ library versions, never GPU names.
 
 from __future__ import annotations
 
+import dataclasses
+
 from attnlayers import device as device_lib
 from attnlayers.backends import _fp8_core, _fp8_delayed, _reasons, te
-from attnlayers.spec import Call, Options
+from attnlayers.spec import Call
 
 NAME = "te-fp8"
 SUMMARY = "TransformerEngine FP8 GEMMs for the projections + cuDNN FP8 attention core; compute capability >= 8.9"
 MIN_CC = (8, 9)  # FP8 tensor cores (Ada); the FP8 attention core itself needs _fp8_core.MIN_CC
-# Where FP8 pays, measured (in benchmarks/results/h200: gpt2-small/a2472b7-bias/train.md,
-# gpt2-small/a2472b7-bias-repeat/train.md, gpt2-small/96cf60d-bias/train.md,
-# gpt2-small/bias/train.md, gpt2-small/train.md,
-# gpt2-small/steps300/train.md, gpt2-small/187a03c-train.md, gpt2-small/e29f464-train.md,
-# gpt2-small/03c8adb-train.md, gpt2-small/f626088-train.md, gpt2-medium/train.md, gpt2-medium/f626088-train.md,
-# gpt-1b/train.md); the plan of every call te-fp8 runs shows it (notes)
-SPEED = ("speed: FP8 pays with wide GEMMs. Whole-model training on one H200, tokens/s over cudnn's in the same "
-         "run: 1.012x (1.058x without biases), 1.034x (1.051x without biases), 1.028x (1.048x without biases), "
-         "1.052x (1.029x without biases), 1.044x, 1.037x (300 steps), 1.027x, 0.992x, 0.9893x and 1.013x in ten "
-         "runs at gpt2-small (width 768, bf16 core), 1.091x and 1.128x at gpt2-medium (1024), 1.277x at gpt-1b "
-         "(2048, FP8 core); narrower models may train slower than with cudnn or te")
 
 
 def requirements(dev: device_lib.DeviceInfo, what: str = "te-fp8 (FP8 GEMMs)") -> list[str]:
@@ -59,8 +50,21 @@ def fp8_core_unmet(call: Call, *, device: bool = True, precision: bool = True) -
   return reasons
 
 
-def _runs_fp8(call: Call) -> bool:
-  return call.fp8_core == "fp8" or (call.fp8_core == "fp8-or-bf16" and not fp8_core_unmet(call))
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """Which attention core runs a call, and how."""
+  core: str  # "fp8": cuDNN's FP8 flash attention; "bf16": TransformerEngine's bf16 fused attention
+  delayed: bool  # the FP8 core scales q, k, v from the call's amax history (else from this call's amaxes)
+  te: te.Decision | None = None  # the bf16 core's settings
+  why_bf16: tuple[str, ...] = ()  # fp8_core="fp8-or-bf16" on the bf16 core: why the FP8 core cannot take the call
+
+
+def decide(call: Call) -> Decision:
+  """The FP8 core for fp8_core="fp8", and for "fp8-or-bf16" where it can take the call; else the bf16 core."""
+  why = () if call.fp8_core != "fp8-or-bf16" else tuple(fp8_core_unmet(call))
+  if call.fp8_core == "fp8" or (call.fp8_core == "fp8-or-bf16" and not why):
+    return Decision("fp8", delayed=call.fp8_delayed)
+  return Decision("bf16", delayed=False, te=te.decide(call), why_bf16=why)
 
 
 def unmet(call: Call) -> list[str]:
@@ -74,29 +78,26 @@ def unmet(call: Call) -> list[str]:
     if "fp8-or-bf16" not in core[-1]:  # the segments/window/lengths reasons name it themselves
       core[-1] += "; pass fp8_core='fp8-or-bf16' to run TransformerEngine's bf16 core for such calls, or use " \
                   "backend='te'"
-    reasons += core
+    reasons += [_reasons.Reason(r, "fp8_core", "fp8-or-bf16") for r in core]
   if reasons:
     return reasons
-  return [] if _runs_fp8(call) else te.unmet(call, NAME)
+  return [] if decide(call).core == "fp8" else te.unmet(call, NAME)
 
 
-def notes(call: Call) -> list[str]:
-  """How a runnable call runs: FP8 core, or bf16 core and why; and where FP8 pays (SPEED)."""
-  if _runs_fp8(call):
-    scales = "from an amax history (delayed)" if call.fp8_delayed else "from this call's amaxes (current)"
-    core = f"core: cuDNN FP8 flash attention forward (E4M3, per-tensor scales {scales}), bf16 flash backward"
-  elif call.fp8_core == "bf16":
-    core = "core: TransformerEngine bf16 fused attention, because fp8_core='bf16'"
-  else:
-    core = "core: TransformerEngine bf16 fused attention (fp8_core='fp8-or-bf16'), because " + "; ".join(
-        fp8_core_unmet(call))
-  return [core, SPEED]
+def notes(call: Call, decision: Decision) -> list[str]:
+  """How a runnable call runs: the FP8 core, or the bf16 core and why."""
+  if decision.core == "fp8":
+    scales = "from an amax history (delayed)" if decision.delayed else "from this call's amaxes (current)"
+    return [f"core: cuDNN FP8 flash attention forward (E4M3, per-tensor scales {scales}), bf16 flash backward"]
+  if call.fp8_core == "bf16":
+    return ["core: TransformerEngine bf16 fused attention, because fp8_core='bf16'"]
+  return ["core: TransformerEngine bf16 fused attention (fp8_core='fp8-or-bf16'), because " +
+          "; ".join(decision.why_bf16)]
 
 
-def run(q, k, v, opts: Options):
-  from attnlayers import spec  # the call is described again only to pick the core
-  if _runs_fp8(spec.describe(q, k, v, opts)):
-    if opts.fp8_amax_history is not None:
-      return _fp8_delayed.attention(q, k, v, opts.fp8_amax_history, opts.scale, opts.is_causal)
-    return _fp8_core.attention(q, k, v, opts.scale, opts.is_causal)
-  return te.run(q, k, v, opts)
+def run(q, k, v, call: Call, decision: Decision):
+  if decision.core == "bf16":
+    return te.run(q, k, v, call, decision.te)
+  if decision.delayed:
+    return _fp8_delayed.attention(q, k, v, call.fp8_amax_history, call.scale, call.is_causal)
+  return _fp8_core.attention(q, k, v, call.scale, call.is_causal)

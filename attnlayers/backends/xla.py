@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from attnlayers.backends import _masks, _reasons
-from attnlayers.spec import Call, Options
+from attnlayers.spec import Call
 
 NAME = "xla"
 SUMMARY = "jax.nn.dot_product_attention(implementation='xla'); any platform; bfloat16, float32, float64, float16 off the CPU"
@@ -43,12 +43,11 @@ def unmet(call: Call) -> list[str]:
   return reasons
 
 
-def run(q, k, v, opts: Options):
-  (B, T), S = q.shape[:2], k.shape[1]
-  if _masks.plain(opts, T, S):
-    out = jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=opts.mask, scale=opts.scale,
-                                       is_causal=opts.is_causal, implementation="xla")
-    return out if opts.mask is None else _masks.finish(out, opts, S)  # rows the mask empties: zeros
-  out = jax.nn.dot_product_attention(q, k, v, bias=opts.bias, mask=_masks.allowed(opts, B, T, S), scale=opts.scale,
-                                     implementation="xla")  # lengths and bottom-right causality as one mask
-  return _masks.finish(out, opts, S)
+def run(q, k, v, call: Call, decision=None):
+  if _masks.plain(call):  # top-left causality and the mask as jax takes them
+    out = jax.nn.dot_product_attention(q, k, v, bias=call.bias, mask=call.mask, scale=call.scale,
+                                       is_causal=call.is_causal, implementation="xla")
+    return out if call.mask is None else _masks.finish(out, call)  # rows the mask empties: zeros
+  out = jax.nn.dot_product_attention(q, k, v, bias=call.bias, mask=_masks.allowed(call), scale=call.scale,
+                                     implementation="xla")  # lengths, causality, segments, window: one mask
+  return _masks.finish(out, call)

@@ -23,7 +23,7 @@ import importlib
 
 import jax
 
-from attnlayers import device
+from attnlayers import ArgumentError, device
 
 KERNELS = ("auto", "xla", "pallas", "interpret")
 TRITON = "jax.experimental.pallas.triton"  # Pallas's Triton backend, the one the kernels are written for
@@ -62,7 +62,8 @@ def resolve(kernel: str = "auto", *arrays) -> tuple[str, str]:
     *arrays: as `available` takes them.
 
   Raises:
-    ValueError: `kernel` is not in KERNELS; "pallas" where the kernels cannot compile; "interpret" where this jax
+    ValueError: `kernel` is not in KERNELS.
+    ArgumentError (a ValueError naming `kernel`): "pallas" where the kernels cannot compile; "interpret" where this jax
       has no Pallas Triton backend (the interpreter runs the same kernels, written with its loads and stores).
   """
   if kernel not in KERNELS:
@@ -76,8 +77,10 @@ def resolve(kernel: str = "auto", *arrays) -> tuple[str, str]:
   missing = triton_missing()
   if kernel == "pallas" and not ok:
     interpret = "" if missing else ", 'interpret' (the same kernel interpreted, slow)"
-    raise ValueError(f"kernel='pallas': {why}. Use kernel='xla' (XLA fusions, any backend){interpret} or 'auto'")
+    raise ArgumentError(f"kernel='pallas': {why}. Use kernel='xla' (XLA fusions, any backend){interpret} or 'auto'",
+                        arguments=("kernel",), value=kernel, expected="'xla' or 'auto'" if missing else "'xla', 'interpret' or 'auto'")
   if kernel == "interpret" and missing:
-    raise ValueError(f"kernel='interpret': the interpreter runs the Pallas kernels, written for Pallas's Triton "
-                     f"backend, and {missing}. Use kernel='xla' (XLA fusions, any backend) or 'auto'")
+    raise ArgumentError(f"kernel='interpret': the interpreter runs the Pallas kernels, written for Pallas's Triton "
+                        f"backend, and {missing}. Use kernel='xla' (XLA fusions, any backend) or 'auto'",
+                        arguments=("kernel",), value=kernel, expected="'xla' or 'auto'")
   return kernel, "as asked"
