@@ -54,7 +54,7 @@ SHARD_HEADER_INTS = 256
 @dataclasses.dataclass
 class Dataset:
   name: str  # for logs
-  tokenizer: str  # what the token ids are: tokenizers.BYTES (text) or sample.GPT2 (GPT-2 BPE shards)
+  tokenizer: str  # what the token ids are: tokenizers.BYTES (text) or tokenizers.GPT2 (GPT-2 BPE shards)
   train: list[np.ndarray]  # 1-d token arrays (uint8 bytes or uint16 GPT-2 ids), each > seq_len + 1 long
   val: list[np.ndarray]  # as train, held out; windows of these give val_loss in both modes
   packed: packing.Packed | None = None  # every training document end to end (load(pack=True)); else None
@@ -185,7 +185,7 @@ def _shards(pattern: str, seq_len: int, pack: bool) -> Dataset:
   train, val = _usable(train_shards, seq_len), _usable(val_shards, seq_len)
   if not (packed.n_rows if pack else train) or not val:
     raise ValueError(_shards_too_short(pattern, train_shards, val_shards, seq_len, pack))
-  return Dataset(pattern, sample.GPT2, train, val, packed, files=tuple(paths))
+  return Dataset(pattern, tokenizers.GPT2, train, val, packed, files=tuple(paths))
 
 
 def _shards_too_short(pattern: str, train: list[np.ndarray], val: list[np.ndarray], seq_len: int, pack: bool) -> str:
@@ -218,7 +218,7 @@ def check_source(spec: str | None) -> None:
 def tokenizer(source: str) -> str:
   """The tokens of the data a checkpoint records as `source` (source(), or --data as typed): GPT-2 BPE for token
   shards (a pattern ending in .bin, as load tells them apart), else UTF-8 bytes."""
-  return sample.GPT2 if source.endswith(".bin") else tokenizers.BYTES
+  return tokenizers.GPT2 if source.endswith(".bin") else tokenizers.BYTES
 
 
 def source(spec: str | None) -> str:
