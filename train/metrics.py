@@ -50,8 +50,8 @@ class Throughput:
   """Steps/s over each interval between reported steps, and the run's typical rate.
 
   Intervals start after the first step (compilation stays out); the first one still runs while
-  the device warms up (on the H200 it was several times slower than the rest), so the run's rate
-  is the median of the intervals after it.
+  the device warms up (clocks ramp, caches fill), so the run's rate is the median of the intervals
+  after it.
   """
 
   def __init__(self, t_start: float, start_step: int, tokens_per_step: int, flops_per_token: float,

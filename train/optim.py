@@ -46,12 +46,9 @@ def global_norm(tree) -> jax.Array:
   leaves of the same shape and dtype at a time; optax.tree.norm's sum, in another order. Leaves must be
   real floating point.
 
-  optax sums each leaf on its own: for gpt2-small's 196 leaves that is ~200 small reduction kernels
-  and a memset for each scalar they write, ~1.2 ms of a ~64 ms H200 step in a profile. Its 196 leaves
-  fall in 9 groups (the same parameter of every block, stacked). On the H200, 8 rounds of the cudnn
-  training step (B=32, T=1024) alternating the two in one process gave a median of 63.86 ms against
-  64.79 ms with optax's clip; that run scaled by max_norm / norm where clip_by_global_norm divides by
-  the norm and multiplies by max_norm, as optax does, an elementwise op either way."""
+  optax sums each leaf on its own: one small reduction kernel, and a memset for its scalar, per leaf
+  (196 for gpt2-small). Grouped, the same leaves are 9 reductions (the same parameter of every block,
+  stacked)."""
   groups = collections.defaultdict(list)
   for path, x in jax.tree_util.tree_leaves_with_path(tree):
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -76,11 +73,10 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 def adamw(lr: float, steps: int, warmup: int, *, weight_decay: float = 0.1, clip: float = 1.0,
           b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
-  """Clipping by the grouped global norm, then optax's AdamW, parameter by parameter. Running AdamW on
-  the groups stacked instead (one array per group, its state kept stacked) gave a median of 59.97 ms
-  against 60.06 ms: 6 rounds of the gpt2-small cudnn step (B=32, T=1024) alternated in one process on
-  the H200, though timed alone (its own jit, every array passed each call) it took 3.130 ms against
-  6.262 ms. The step does not pay for the parameters' per-leaf updates the way a lone call does."""
+  """Clipping by the grouped global norm, then optax's AdamW, parameter by parameter.
+
+  AdamW stays per parameter: inside the jitted step XLA fuses the per-leaf updates, so stacking the
+  groups buys nothing there (benchmarks/results/h200/code-measurements.md holds the timings)."""
   return optax.chain(
       clip_by_global_norm(clip),
       optax.adamw(schedule(lr, steps, warmup), b1=b1, b2=b2, weight_decay=weight_decay, mask=decays),
