@@ -63,6 +63,7 @@ def test_layer_quick_writes_json_csv_markdown_and_plots(tmp_path):
     assert 0 < xla16 < reference.TOLERANCES[("bfloat16", "out")][0] * 10, xla16  # bf16 rounding shows, within bounds
 
 
+@pytest.mark.slow
 def test_layer_quick_segments_and_window_sections(tmp_path, monkeypatch):
   monkeypatch.setattr(layer.common, "matmul_tflops", lambda **_: 1.0)  # its 3 s on a CPU; tested above
   layer.main(["--quick", "--sections", "segments", "window", "--levels", "core", "--out", str(tmp_path)])  # in-process
@@ -244,6 +245,7 @@ def _decode_params_bytes(cfg) -> int:
              if "wpe" not in jax.tree_util.keystr(path)) * jnp.dtype(cfg.dtype).itemsize
 
 
+@pytest.mark.slow
 def test_decode_quick_rows_are_their_formulas_over_the_measured_time(tmp_path):
   decode.main(["--quick", "--out", str(tmp_path)])  # in-process: tiny models, naive/xla measured, cudnn refused
   result = json.load(open(tmp_path / "decode.json"))
