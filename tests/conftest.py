@@ -4,6 +4,24 @@ import os
 import jax
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# On CPU every test and every `python` a test starts share one compilation cache on disk: the same
+# tiny models compile again and again across files, xdist workers and the trainer's subprocesses,
+# and a cache hit costs a file read instead of an XLA compilation. JAX_COMPILATION_CACHE_DIR, if
+# set, chooses the folder; by default it lies in the ignored .pytest_cache.
+_CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(ROOT, ".pytest_cache", "jax-compilation"),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",  # cache every program, however quick to compile
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}  # and however small
+if jax.default_backend() == "cpu":
+  for _name, _value in _CACHE.items():
+    os.environ.setdefault(_name, _value)  # the subprocesses of tests inherit these
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
 if jax.default_backend() == "gpu":
   # The float32 tolerances in tests/reference.py assume IEEE float32 matmuls; XLA on NVIDIA
   # GPUs runs float32 dots as TF32 by default (errors ~1e-3), which would test the matmul

@@ -30,8 +30,10 @@ def run(module, *args, timeout=900):
   return proc
 
 
+@pytest.mark.slow
 def test_layer_quick_writes_json_csv_markdown_and_plots(tmp_path):
-  run("benchmarks.layer", "--quick", "--out", str(tmp_path))
+  # in-process, every section of --quick at one point of each sweep, each row timed once
+  layer.main(["--quick", "--seqs", "64", "--batches", "1", "--calls", "1", "--out", str(tmp_path)])
   result = json.load(open(tmp_path / "layer.json"))
   rows, matmul = result["rows"], result["environment"]["matmul_bf16_tflops"]
   assert len(list(csv.DictReader(open(tmp_path / "layer.csv")))) == len(rows)
@@ -61,6 +63,7 @@ def test_layer_quick_writes_json_csv_markdown_and_plots(tmp_path):
     assert 0 < xla16 < reference.TOLERANCES[("bfloat16", "out")][0] * 10, xla16  # bf16 rounding shows, within bounds
 
 
+@pytest.mark.slow
 def test_layer_quick_segments_and_window_sections(tmp_path, monkeypatch):
   monkeypatch.setattr(layer.common, "matmul_tflops", lambda **_: 1.0)  # its 3 s on a CPU; tested above
   layer.main(["--quick", "--sections", "segments", "window", "--levels", "core", "--out", str(tmp_path)])  # in-process
@@ -123,6 +126,7 @@ def test_ratios_use_the_baseline_of_the_same_backend_pass_level_and_T():
   assert "- core: cudnn (3 ms) 5x (met)" in packing.targets("window", rows[6:])  # the fastest fused backend
 
 
+@pytest.mark.slow
 def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
   run("benchmarks.train", "--preset", "tiny", "--backends", "xla", "cudnn", "--steps", "4", "--batch-size", "4",
       "--seq-len", "32", "--matmul-n", "256", "--out", str(tmp_path))
@@ -212,6 +216,7 @@ def test_steady_refuses_a_phase_of_no_steps(capsys):
   assert "--steps must be at least 1; got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_benchmark_runs_packed_beside_unpacked_with_the_same_validation(tmp_path):
   run("benchmarks.train", "--preset", "tiny", "--backends", "xla", "--packing", "unpacked", "packed", "--steps", "4",
       "--batch-size", "4", "--seq-len", "32", "--matmul-n", "256", "--out", str(tmp_path))
@@ -222,6 +227,7 @@ def test_train_benchmark_runs_packed_beside_unpacked_with_the_same_validation(tm
   assert "vs_unpacked" in (tmp_path / "train.md").read_text()
 
 
+@pytest.mark.slow
 def test_train_benchmark_runs_the_model_without_biases_beside_it(tmp_path):
   run("benchmarks.train", "--preset", "tiny", "--backends", "xla", "--bias", "with", "without", "--steps", "4",
       "--batch-size", "4", "--seq-len", "32", "--matmul-n", "256", "--out", str(tmp_path))
@@ -239,6 +245,7 @@ def _decode_params_bytes(cfg) -> int:
              if "wpe" not in jax.tree_util.keystr(path)) * jnp.dtype(cfg.dtype).itemsize
 
 
+@pytest.mark.slow
 def test_decode_quick_rows_are_their_formulas_over_the_measured_time(tmp_path):
   decode.main(["--quick", "--out", str(tmp_path)])  # in-process: tiny models, naive/xla measured, cudnn refused
   result = json.load(open(tmp_path / "decode.json"))
@@ -455,10 +462,25 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
         "train-seq-len-negative", "train-run-timeout-0", "fp8-calls-0", "fp8-core-T-0", "fp8-layer-D-N",
         "fp8_train-lr-0", "fp8_train-batch-0", "fp8_train-heads", "wrapper-seqs-0", "wrapper-rounds-0",
         "decode-calls-0", "decode-context-too-long", "step-batch-0", "steady-seq-len-0"])
-def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message):
-  proc = subprocess.run([sys.executable, "-m", module, *args, "--out", "/nonexistent-out"], cwd=ROOT,
-                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
-  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-1500:]
+@pytest.mark.filterwarnings("ignore:'benchmarks\\..*' found in sys.modules:RuntimeWarning")
+def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message, capsys, monkeypatch):
+  """`python -m MODULE ARGS` in this process: runpy runs the module as __main__, as python -m does."""
+  import runpy
+  monkeypatch.setattr(sys, "argv", [module, *args, "--out", "/nonexistent-out"])
+  with pytest.raises(SystemExit) as e:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and message in err, err[-1500:]
+  assert len(err.strip().splitlines()) == 1, err[-1500:]
+
+
+@pytest.mark.slow
+def test_python_m_a_benchmark_exits_2_on_a_bad_flag():
+  """The process boundary itself: a new python, its exit status and stderr."""
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.layer", "--quick", "--seqs", "0", "--out",
+                         "/nonexistent-out"], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+  assert proc.returncode == 2 and "--seqs: must be >= 1, got 0" in proc.stderr, proc.stderr[-1500:]
   assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-1500:]
 
 
@@ -477,6 +499,7 @@ def test_step_benchmarks_refuse_an_attention_kernel_that_cannot_run_in_one_line(
   assert "give another --attn" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_train_benchmark_exits_non_zero_when_every_run_failed(tmp_path):
   """Each run's reason is printed, no report replaces one already in --out, and the exit status says so."""
   proc = subprocess.run([sys.executable, "-m", "benchmarks.train", "--preset", "tiny", "--backends", "xla",

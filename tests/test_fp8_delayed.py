@@ -180,6 +180,7 @@ _DATA_PARALLEL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_data_parallel_history_holds_the_whole_batchs_amax_on_every_device():
   """jit's global semantics: the amax is reduced over the data axis, so each device's copy of the next history
   is the one a single device computes (the data-parallel half of te-fp8's core; TE's GEMMs need GPUs)."""

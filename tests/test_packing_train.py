@@ -9,10 +9,7 @@ and one short packed, windowed run that python -m sample then samples from.
 import contextlib
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +27,6 @@ from tests.test_generate import model as wandering_model
 from sample import cli as sample_cli
 from train import checkpoint, cli, data, packing, reader, report
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--log-every", "1"]
 T = 4
 
@@ -210,15 +206,15 @@ def test_the_backend_check_sees_segment_ids_and_every_layer_window(pattern, wind
 
 @pytest.fixture(scope="module")
 def packed_run(tmp_path_factory):
-  """python -m train --pack --window 8, 3 steps, evaluated and sampled at the end: (ckpt folder, stdout, metrics)."""
+  """python -m train --pack --window 8, 3 steps, evaluated and sampled at the end, in this process: (ckpt folder,
+  stdout, metrics)."""
   d = tmp_path_factory.mktemp("packed")
   args = [*TINY, "--pack", "--window", "8", "--steps", "3", "--eval-every", "3", "--sample-tokens", "8",
           "--ckpt-dir", str(d / "c"), "--metrics", str(d / "m.jsonl")]
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env, text=True, capture_output=True,
-                        timeout=600)
-  assert proc.returncode == 0, proc.stderr
-  return d / "c", proc.stdout, [json.loads(line) for line in open(d / "m.jsonl")]
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    cli.main(args)  # exits through SystemExit on any failure
+  return d / "c", out.getvalue(), [json.loads(line) for line in open(d / "m.jsonl")]
 
 
 def test_packed_windowed_run_trains_evaluates_and_samples(packed_run):

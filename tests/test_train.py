@@ -38,6 +38,20 @@ def train_cli(*args, devices: int = 1, wait: bool = True):
   return proc.returncode, out, err
 
 
+def train_main(*args) -> tuple[int, str, str]:
+  """`python -m train ARGS` in this process: the exit code, stdout and stderr. Runs that
+  need a process of their own (several devices or processes, signals, kill -9) use train_cli."""
+  keep = [] if "--ckpt-dir" in args else ["--no-ckpt"]
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      cli.main([*args, *keep])
+      code = 0
+    except SystemExit as e:
+      code = e.code
+  return code, out.getvalue(), err.getvalue()
+
+
 def losses(path) -> dict[int, float]:
   """step -> loss; a resumed run's later line for a step replaces the earlier one."""
   rows = [json.loads(line) for line in open(path)]
@@ -62,6 +76,7 @@ def test_loss_falls_on_tiny(tmp_path):
   assert summary["kernels"] == ("pallas" if jax.default_backend() == "gpu" and jax.device_count() == 1 else "xla")
 
 
+@pytest.mark.slow
 def test_data_parallel_on_4_devices_matches_1(tmp_path):
   for n in (1, 4):
     rc, _, err = train_cli(*SMALL, "--steps", "8", "--metrics", str(tmp_path / f"{n}.jsonl"), devices=n)
@@ -72,6 +87,7 @@ def test_data_parallel_on_4_devices_matches_1(tmp_path):
   np.testing.assert_allclose([four[s] for s in one], list(one.values()), rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path):
   """Multi-host through jax.distributed.initialize: 2 processes x 2 devices vs 1 process x 4 devices."""
   with socket.socket() as s:
@@ -90,6 +106,7 @@ def test_two_processes_match_one_process(tmp_path):
   np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_processes_given_other_settings_are_refused_before_training(tmp_path):
   """Two processes of one run with another --lr on process 1: both exit 2 before training, each saying which
   process differs and how (they trained in lockstep with different learning rates, or crashed in gloo on a shape)."""
@@ -110,6 +127,7 @@ def test_processes_given_other_settings_are_refused_before_training(tmp_path):
   assert "step 1" not in results[0][0] + results[1][0]
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_and_saves_every_process(tmp_path):
   """SIGTERM to one process of a two-process run: both stop after the same step, save it together (a save is a
   collective: the other process, had it trained on, would wait for it for ever), say why, and exit 143; the run
@@ -142,6 +160,7 @@ def test_a_signal_to_one_process_stops_and_saves_every_process(tmp_path):
   assert rc == 0 and f"at step {steps[0]}" in out, err[-1500:]
 
 
+@pytest.mark.slow
 def test_kill_9_then_rerun_resumes_bitwise(tmp_path):
   args = [*SMALL, "--steps", "60", "--ckpt-every", "10"]
   rc, _, err = train_cli(*args, "--ckpt-dir", str(tmp_path / "a"), "--metrics", str(tmp_path / "a.jsonl"))
@@ -309,9 +328,9 @@ def test_rerun_of_a_finished_run_says_nothing_was_trained(tmp_path, capsys):
 
 def test_nan_stops_keeps_last_good_checkpoint_and_records_why(tmp_path):
   ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "5"]
-  rc, _, err = train_cli(*SMALL, "--steps", "10", *ckpt)
+  rc, _, err = train_main(*SMALL, "--steps", "10", *ckpt)
   assert rc == 0, err
-  rc, _, err = train_cli(*SMALL, "--steps", "30", "--lr", "1e30", "--allow-change", "steps", "--allow-change", "lr",
+  rc, _, err = train_main(*SMALL, "--steps", "30", "--lr", "1e30", "--allow-change", "steps", "--allow-change", "lr",
                          "--metrics", str(tmp_path / "m.jsonl"), *ckpt)
   assert rc == 2
   assert "loss is nan at step" in err or "loss is inf at step" in err, err
@@ -321,21 +340,21 @@ def test_nan_stops_keeps_last_good_checkpoint_and_records_why(tmp_path):
   assert last.keys() == {"event", "step", "loss", "last_good"} and last["event"] == "diverged", records
   assert not np.isfinite(last["loss"]) and last["last_good"] == 10 and 10 < last["step"] <= 30, last
   assert f"loss is {last['loss']} at step {last['step']}" in err, err
-  rc, out, err = train_cli(*SMALL, "--steps", "12", "--allow-change", "steps", *ckpt)
+  rc, out, err = train_main(*SMALL, "--steps", "12", "--allow-change", "steps", *ckpt)
   assert rc == 0 and "at step 10" in out, err
 
 
 def test_resume_with_other_model_config_is_an_error(tmp_path):
   ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "2"]
-  assert train_cli(*SMALL, "--steps", "2", *ckpt)[0] == 0
-  rc, _, err = train_cli(*SMALL, "--steps", "4", "--kv-heads", "4", *ckpt)
+  assert train_main(*SMALL, "--steps", "2", *ckpt)[0] == 0
+  rc, _, err = train_main(*SMALL, "--steps", "4", "--kv-heads", "4", *ckpt)
   assert rc == 2 and "cannot resume" in err and "model.n_kv_head: checkpoint 2, now 4" in err, err
 
 
 def test_resume_with_other_backend_is_allowed(tmp_path):
   ckpt = ["--ckpt-dir", str(tmp_path / "c"), "--ckpt-every", "2"]
-  assert train_cli(*SMALL, "--steps", "2", "--attn", "xla", *ckpt)[0] == 0
-  rc, out, err = train_cli(*SMALL, "--steps", "4", "--allow-change", "steps", "--attn", "naive", *ckpt)
+  assert train_main(*SMALL, "--steps", "2", "--attn", "xla", *ckpt)[0] == 0
+  rc, out, err = train_main(*SMALL, "--steps", "4", "--allow-change", "steps", "--attn", "naive", *ckpt)
   assert rc == 0 and "at step 2" in out, err
 
 
@@ -364,7 +383,7 @@ def _bad_shard(d):
     (_bad_shard, "not an llm.c token shard: header magic 0, expected 20240520"),
 ], ids=["missing", "empty-file", "empty-folder", "too-short", "bad-shard"])
 def test_bad_data_is_a_clear_error(tmp_path, make, message):
-  rc, _, err = train_cli(*SMALL, "--steps", "1", "--data", make(tmp_path))
+  rc, _, err = train_main(*SMALL, "--steps", "1", "--data", make(tmp_path))
   assert rc == 2 and message in err, err
 
 

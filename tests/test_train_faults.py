@@ -45,15 +45,9 @@ def losses(path) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("jax-cache"))
-
-
-def popen(args: list[str], jax_cache: str) -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
-             JAX_COMPILATION_CACHE_DIR=jax_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+def popen(args: list[str]) -> subprocess.Popen:
+  # os.environ carries tests/conftest.py's compilation cache to the child
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
   # A child inherits an ignored SIGINT (a test runner started in the background has one), but
   # not a handler: with one installed here, the child gets SIGINT as a terminal would send it.
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -64,8 +58,8 @@ def popen(args: list[str], jax_cache: str) -> subprocess.Popen:
     signal.signal(signal.SIGINT, previous)
 
 
-def train_cli(args: list[str], jax_cache: str) -> tuple[int, str, str]:
-  proc = popen(["-m", "train", *args], jax_cache)
+def train_cli(args: list[str]) -> tuple[int, str, str]:
+  proc = popen(["-m", "train", *args])
   out, err = proc.communicate(timeout=600)
   return proc.returncode, out, err
 
@@ -260,9 +254,9 @@ HOLD_LOCK = ("import sys, time\nfrom train.lock import DirLock\nDirLock(sys.argv
              "print('locked', flush=True)\ntime.sleep(600)")
 
 
-def _holder(directory, jax_cache) -> subprocess.Popen:
+def _holder(directory) -> subprocess.Popen:
   os.makedirs(directory, exist_ok=True)
-  proc = popen(["-c", HOLD_LOCK, str(directory)], jax_cache)
+  proc = popen(["-c", HOLD_LOCK, str(directory)])
   assert proc.stdout.readline().strip() == "locked", proc.stderr.read()
   return proc
 
@@ -289,8 +283,9 @@ def test_a_trainer_refused_the_lock_leaves_the_holders_new_folder_alone(tmp_path
   assert not (tmp_path / "made").exists()
 
 
-def test_second_trainer_is_refused_naming_the_holder(tmp_path, jax_cache, capsys):
-  holder = _holder(tmp_path / "c", jax_cache)
+@pytest.mark.slow
+def test_second_trainer_is_refused_naming_the_holder(tmp_path, capsys):
+  holder = _holder(tmp_path / "c")
   try:
     with pytest.raises(SystemExit) as e:
       cli.main([*TINY, "--steps", "5", "--ckpt-dir", str(tmp_path / "c")])
@@ -302,8 +297,9 @@ def test_second_trainer_is_refused_naming_the_holder(tmp_path, jax_cache, capsys
   assert f"is in use by another trainer (pid {holder.pid} on host {socket.gethostname()}" in err, err
 
 
-def test_lock_of_a_killed_trainer_is_taken_over(tmp_path, jax_cache, capsys):
-  holder = _holder(tmp_path / "c", jax_cache)
+@pytest.mark.slow
+def test_lock_of_a_killed_trainer_is_taken_over(tmp_path, capsys):
+  holder = _holder(tmp_path / "c")
   holder.send_signal(signal.SIGKILL)
   holder.communicate()
   ckpts = checkpoint.Checkpoints(str(tmp_path / "c"))
@@ -319,17 +315,18 @@ SIGNAL_RUN = [*TINY, "--steps", "60", "--ckpt-every", "50"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, jax_cache):
+def uninterrupted(tmp_path_factory):
   d = tmp_path_factory.mktemp("uninterrupted")
-  rc, _, err = train_cli([*SIGNAL_RUN, "--ckpt-dir", str(d / "c"), "--metrics", str(d / "m.jsonl")], jax_cache)
+  rc, _, err = train_cli([*SIGNAL_RUN, "--ckpt-dir", str(d / "c"), "--metrics", str(d / "m.jsonl")])
   assert rc == 0, err
   return losses(d / "m.jsonl")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_saves_the_step_and_resume_is_bitwise(tmp_path, jax_cache, uninterrupted, signum):
+def test_signal_saves_the_step_and_resume_is_bitwise(tmp_path, uninterrupted, signum):
   args = [*SIGNAL_RUN, "--ckpt-dir", str(tmp_path / "c"), "--metrics", str(tmp_path / "m.jsonl")]
-  proc = popen(["-m", "train", *args], jax_cache)
+  proc = popen(["-m", "train", *args])
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
     if (tmp_path / "m.jsonl").exists() and max(losses(tmp_path / "m.jsonl"), default=0) >= 3:
@@ -345,7 +342,7 @@ def test_signal_saves_the_step_and_resume_is_bitwise(tmp_path, jax_cache, uninte
   assert stepdirs.problem(str(tmp_path / "c" / str(stopped))) is None
   records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
   assert records[-1] == {"event": "stopped", "step": stopped, "signal": name, "saved": True}
-  rc, out, err = train_cli(args, jax_cache)
+  rc, out, err = train_cli(args)
   assert rc == 0 and f"resumed from {tmp_path / 'c'} at step {stopped}" in out, err
   resumed = losses(tmp_path / "m.jsonl")
   assert [resumed[s] for s in range(1, 61)] == [uninterrupted[s] for s in range(1, 61)]  # bitwise
@@ -360,15 +357,16 @@ SLOW_SAVE = ("import os, sys, time\nfrom train import cli, stepdirs\nreal = step
              "  real(directory, step)\nstepdirs.finish = finish\ncli.main(sys.argv[2:])")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, second", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGTERM),
                                            (signal.SIGINT, signal.SIGTERM)],
                          ids=["SIGINT-SIGINT", "SIGTERM-SIGTERM", "SIGINT-SIGTERM"])
-def test_a_second_signal_during_the_save_lets_it_finish_then_exits(tmp_path, jax_cache, first, second):
+def test_a_second_signal_during_the_save_lets_it_finish_then_exits(tmp_path, first, second):
   """Double Ctrl-C: the first signal stops the run at the step's end, which saves it; the second arrives while that
   save is being written. The save completes and is sealed, then the run exits with the second signal's code."""
   marker = tmp_path / "saving"
   args = [*SIGNAL_RUN, "--ckpt-dir", str(tmp_path / "c"), "--metrics", str(tmp_path / "m.jsonl")]
-  proc = popen(["-c", SLOW_SAVE, str(marker), *args], jax_cache)
+  proc = popen(["-c", SLOW_SAVE, str(marker), *args])
   try:
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and max(losses_or_none(tmp_path / "m.jsonl"), default=0) < 3:
@@ -649,12 +647,13 @@ def test_arguments_left_over_get_argparse_own_message(tmp_path, monkeypatch, cap
                                       "--help)\n", err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["batch-size-0", "lr-nan", "metrics-is-a-folder"])
-def test_bad_flag_exits_2_within_seconds(tmp_path, case, jax_cache):
+def test_bad_flag_exits_2_within_seconds(tmp_path, case):
   """The whole process, python's start and jax's import included."""
   args, message = BAD_FLAGS[case]
   t0 = time.perf_counter()
-  rc, _, err = train_cli([*TINY, *args(tmp_path)], jax_cache)
+  rc, _, err = train_cli([*TINY, *args(tmp_path)])
   assert rc == 2 and message in err, err
   assert time.perf_counter() - t0 < 15
 

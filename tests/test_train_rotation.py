@@ -64,6 +64,7 @@ TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progre
         "--eval-every", "0", "--log-every", "1", "--ckpt-every", "2"]
 
 
+@pytest.mark.slow
 def test_a_trainer_killed_while_deleting_an_old_step_resumes_from_the_newest(tmp_path, capsys):
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
   run = [*TINY, "--ckpt-dir", str(tmp_path / "c")]
