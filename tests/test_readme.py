@@ -108,3 +108,13 @@ def test_the_readme_is_a_front_page():
   assert len(text.splitlines()) <= 300 and len(text.encode()) <= 20_000, (len(text.splitlines()), len(text.encode()))
   first_block = text[text.index("```bash"):text.index("```", text.index("```bash") + 3)]
   assert "python -m train" in first_block and "python -m pytest" in first_block, first_block
+
+
+def test_ci_runs_the_readmes_test_command():
+  """.ci/run passes pytest the arguments of the README's test command (its first tier), so the command a new user
+  runs is the one CI keeps green."""
+  text = README.read_text()
+  first_block = text[text.index("```bash"):text.index("```", text.index("```bash") + 3)]
+  command = first_block[first_block.rindex("python -m pytest") + len("python -m pytest"):].splitlines()[0].strip()
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert any(line.strip().startswith("tier ") and command in line for line in ci.splitlines()), (command, ci)
