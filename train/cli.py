@@ -84,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--data", help="text file, folder of text (every file under it; no run folders of python -m train), "
                                 "or 'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed "
                                 "Python's standard library sources, read at run time (no download)")
+  p.add_argument("--data-raw-bytes", action="store_true", help="train on --data files that are mostly not text "
+                 "(executables, compressed or random bytes) as bytes; default: refuse them")
   keep = p.add_mutually_exclusive_group()
   keep.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: a new "
                                        f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
@@ -292,7 +294,7 @@ def _config(a: argparse.Namespace, model: models.GPTConfig, walk: data.Walk) -> 
   try:
     cfg = config.TrainConfig(
         model=model, steps=a.steps, batch_size=a.batch_size, lr=a.lr, warmup=a.warmup, seed=a.seed, data=a.data,
-        ckpt_dir=a.ckpt_dir,
+        data_raw_bytes=a.data_raw_bytes, ckpt_dir=a.ckpt_dir,
         ckpt_every=config.TrainConfig.ckpt_every if a.ckpt_every is None else a.ckpt_every,
         eval_every=a.eval_every, log_every=a.log_every,
         metrics=a.metrics, sample_tokens=_sample_tokens(a.sample_tokens, model.seq_len), peak_tflops=a.peak_tflops,

@@ -30,6 +30,7 @@ class TrainConfig:
   clip: float = 1.0  # global gradient norm
   seed: int = 0  # parameters, data order and dropout
   data: str | None = None  # see train.data; None = the installed Python's standard library sources
+  data_raw_bytes: bool = False  # train on files of data that are mostly not text, as bytes; False = refuse them
   ckpt_dir: str | None = None  # resume from and save to; None = no checkpoints
   ckpt_every: int = 100  # steps between checkpoints (the last step is always saved)
   eval_every: int = 100  # steps between validation losses; 0 = none

@@ -37,10 +37,12 @@ import hashlib
 import itertools
 import os
 import shlex
+import stat
 import sysconfig
 from collections.abc import Iterator
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from train import lock, packing, stepdirs
 from train import tokenizers
@@ -49,6 +51,13 @@ DEFAULT_NAME = "python-stdlib"  # the default data's name (not a path)
 CONTENT_MIB = 1 << 20  # bytes of each end of a file that Dataset.content hashes
 SHARD_MAGIC = 20240520
 SHARD_HEADER_INTS = 256
+TEXT_SAMPLE = 1 << 16  # bytes read at a file's start, middle and end to tell text from other bytes
+NOT_TEXT = 0.3  # the share of those bytes that are control bytes or invalid UTF-8 above which a file is not text
+READ_CHUNK = 1 << 24  # bytes (or tokens) read at a time, so that a load's progress shows and its memory stays flat
+PROGRESS_DELAY = 1.0  # seconds a load runs before its progress bar shows: small data loads without one
+_CONTROL = np.ones(256, bool)  # the bytes text does not hold: C0 controls but tab, newlines, form feed, escape; DEL
+_CONTROL[[8, 9, 10, 11, 12, 13, 27]] = False
+_CONTROL[32:127] = _CONTROL[128:] = False
 
 
 @dataclasses.dataclass
@@ -89,7 +98,8 @@ class Dataset:
       with open(path, "rb") as f:
         head = f.read(CONTENT_MIB)
         f.seek(max(0, size - CONTENT_MIB))
-        h.update(size.to_bytes(8, "little") + head + f.read(CONTENT_MIB))
+        for part in (size.to_bytes(8, "little"), head, f.read(CONTENT_MIB)):  # as one update, without a copy
+          h.update(part)
     return {"train": sum(len(t) for t in self.train), "val": sum(len(t) for t in self.val), "sha256": h.hexdigest()}
 
   def packed_batch(self, seed: int, step: int, batch_size: int) -> tuple[np.ndarray, ...]:
@@ -104,14 +114,49 @@ def _usable(arrays: list[np.ndarray], seq_len: int) -> list[np.ndarray]:
   return [a for a in arrays if len(a) > seq_len + 1]
 
 
-def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool) -> Dataset:
-  texts = [np.fromfile(f, dtype=np.uint8) for f in sorted(files)]
+def _bar(total: int, desc: str, progress: bool):
+  """A tqdm bar of `total` bytes for one step of a load, shown once the step runs past PROGRESS_DELAY."""
+  return tqdm(total=total, desc=desc, unit="B", unit_scale=True, delay=PROGRESS_DELAY, disable=not progress,
+              leave=False)
+
+
+def _read_bytes(files: list[str], progress: bool) -> tuple[np.ndarray, list[np.ndarray]]:
+  """The bytes of `files` end to end, and each file's as a view of them: a single file memory-mapped (read as
+  windows need it), several read into one array in chunks under a progress bar, so that host memory holds the data
+  once."""
+  if len(files) == 1:
+    one = np.memmap(files[0], dtype=np.uint8, mode="r") if os.path.getsize(files[0]) else np.zeros(0, np.uint8)
+    return one, [one]
+  sizes = [os.path.getsize(f) for f in files]
+  buf, ends, at = np.empty(sum(sizes), np.uint8), [], 0
+  with _bar(len(buf), "reading --data", progress) as bar:
+    for path, size in zip(files, sizes):
+      end = at + size
+      with open(path, "rb") as f:
+        while at < end and (got := f.readinto(memoryview(buf[at:min(end, at + READ_CHUNK)]))):
+          at += got
+          bar.update(got)
+      ends.append(at)  # a file that shrank since its size was read ends where its bytes did
+  return buf[:at], [buf[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+
+
+def _first_line(text: np.ndarray, end: int) -> int:
+  """Where the first full line of text[:end] starts (past its first newline), 0 where it has none; read in small
+  chunks, as a line is short and text may be memory-mapped."""
+  for at in range(0, end, TEXT_SAMPLE):
+    hits = np.flatnonzero(text[at:min(end, at + TEXT_SAMPLE)] == ord("\n"))
+    if len(hits):
+      return at + int(hits[0]) + 1
+  return 0
+
+
+def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool, progress: bool = False) -> Dataset:
+  stream, texts = _read_bytes(sorted(files), progress)
   if len(texts) >= 10:
     train = [t for i, t in enumerate(texts) if i % 10 != 9]
     val = [t for i, t in enumerate(texts) if i % 10 == 9]
     docs = train  # packed: the training files
   else:  # too few files to hold some out: keep the last 10% of the bytes
-    stream = np.concatenate(texts) if texts else np.zeros(0, np.uint8)
     cut = int(len(stream) * 0.9)
     train, val = [stream[:cut]], [stream[cut:]]
     docs = np.split(stream[:cut], [c for c in np.cumsum([len(t) for t in texts]) if c < cut])  # the files, cut
@@ -120,9 +165,8 @@ def _split_bytes(name: str, files: list[str], seq_len: int, pack: bool) -> Datas
     raise ValueError(_too_little(name, texts, train, val, seq_len, packed))
   train, val = _usable(train, seq_len), _usable(val, seq_len)
   # the last 10% of the bytes starts where the cut fell, often mid-word: prompts start at its first full line
-  lines = np.flatnonzero(val[0][:len(val[0]) - seq_len // 2] == ord("\n")) if len(texts) < 10 else []
-  return Dataset(name, tokenizers.BYTES, train, val, packed, prompt_start=int(lines[0]) + 1 if len(lines) else 0,
-                 files=tuple(sorted(files)))
+  start = _first_line(val[0], len(val[0]) - seq_len // 2) if len(texts) < 10 else 0
+  return Dataset(name, tokenizers.BYTES, train, val, packed, prompt_start=start, files=tuple(sorted(files)))
 
 
 def _too_little(name: str, texts: list, train: list, val: list, seq_len: int, packed: packing.Packed | None) -> str:
@@ -170,11 +214,37 @@ def read_shard(path: str) -> np.ndarray:
   return np.memmap(path, dtype=np.uint16, mode="r", offset=SHARD_HEADER_INTS * 4, shape=(n,))
 
 
-def _shards(pattern: str, seq_len: int, pack: bool) -> Dataset:
+def _largest_ids(paths: list[str], progress: bool) -> list[int]:
+  """The largest token id in each llm.c shard of `paths` (headers checked), read in chunks under a progress bar."""
+  largest, sizes = [], [os.path.getsize(p) - SHARD_HEADER_INTS * 4 for p in paths]
+  with _bar(sum(sizes), "checking --data's token ids", progress) as bar:
+    for path in paths:
+      top = 0
+      with open(path, "rb") as f:
+        f.seek(SHARD_HEADER_INTS * 4)
+        while len(chunk := np.fromfile(f, dtype=np.uint16, count=READ_CHUNK // 2)):
+          top = max(top, int(chunk.max()))
+          bar.update(2 * len(chunk))
+      largest.append(top)
+  return largest
+
+
+def _ids_outside(pattern: str, paths: list[str], largest: list[int], vocab_size: int) -> str:
+  """Why the shards of `pattern` whose `largest` ids do not fit vocab_size are refused, naming them."""
+  bad = [(p, m) for p, m in zip(paths, largest) if m >= vocab_size]
+  named = "; ".join(f"{p} holds token id {m}" for p, m in bad[:3]) + ("; ..." if len(bad) > 3 else "")
+  return (f"--data {pattern!r}: {len(bad)} shard(s) hold token ids outside --vocab-size {vocab_size} (ids 0 to "
+          f"{vocab_size - 1}): {named}. A model cannot embed them (training would end in a non-finite loss): give "
+          f"shards of GPT-2 tokens (ids below {tokenizers.GPT2_VOCAB}), or --vocab-size {max(largest) + 1} or larger")
+
+
+def _shards(pattern: str, seq_len: int, pack: bool, vocab_size: int | None = None, progress: bool = False) -> Dataset:
   paths = sorted(glob.glob(pattern))
   if not paths:
     raise FileNotFoundError(f"--data {pattern!r} matches no files")
   shards = {p: read_shard(p) for p in paths}  # every header checked before anything else
+  if vocab_size is not None and max(largest := _largest_ids(paths, progress)) >= vocab_size:
+    raise ValueError(_ids_outside(pattern, paths, largest, vocab_size))
   val_paths = [p for p in paths if "val" in os.path.basename(p)] or paths[-1:]
   train_paths = [p for p in paths if p not in val_paths]
   if not train_paths:
@@ -207,7 +277,15 @@ def stdlib_files() -> list[str]:
 
 
 def check_source(spec: str | None) -> None:
-  """Raises FileNotFoundError where `spec` names nothing; cheap, so callers check it before other work."""
+  """Raises FileNotFoundError where `spec` names nothing, ValueError where it names a device, pipe or socket (a
+  stream without an end, or one that a second read finds empty: not data); cheap, so callers check it before other
+  work."""
+  if spec is not None and os.path.exists(spec) and not (os.path.isfile(spec) or os.path.isdir(spec)):
+    mode = os.stat(spec).st_mode
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+            "a pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise ValueError(f"--data {spec!r} is {kind}, not a file of data: give a text file, a folder of text, or "
+                     "'DIR/*.bin' token shards (to train on a stream, write it to a file first)")
   if spec is None or os.path.exists(spec) or (spec.endswith(".bin") and glob.glob(spec)):
     return
   if spec.endswith(".bin"):
@@ -324,19 +402,64 @@ def _shards_in_folder(spec: str, shards: list[str], n_files: int) -> str:
           + ("; for the text, a folder without the shards" if others else ""))
 
 
-def load(spec: str | None, seq_len: int, pack: bool = False, walk: Walk | None = None) -> Dataset:
-  """The data of `spec` (module docstring) for windows of seq_len; pack: also every training document packed. walk:
-  a folder's files as that Walk of `spec` found them (the one its caller checked the run's outputs with); None:
-  walked now."""
+def not_text(path: str) -> float:
+  """The share of `path`'s bytes, sampled at its start, middle and end (TEXT_SAMPLE each), that text does not hold:
+  control bytes (_CONTROL) and bytes of invalid UTF-8. Text scores near 0, executables and random or compressed
+  bytes about half or more."""
+  size, bad, seen = os.path.getsize(path), 0, 0
+  with open(path, "rb") as f:
+    for at in sorted({0, max(0, size // 2 - TEXT_SAMPLE // 2), max(0, size - TEXT_SAMPLE)}):
+      f.seek(at)
+      chunk = f.read(TEXT_SAMPLE)
+      invalid = chunk.decode("utf-8", "replace").count("\ufffd") - chunk.count("\ufffd".encode())
+      bad, seen = bad + int(_CONTROL[np.frombuffer(chunk, np.uint8)].sum()) + invalid, seen + len(chunk)
+  return bad / seen if seen else 0.0
+
+
+def _check_text(spec: str, files: list[str]) -> None:
+  """Refuses --data `spec` where any of its `files` is mostly not text (not_text above NOT_TEXT), naming them."""
+  scores = [(f, not_text(f)) for f in files]
+  bad = [(f, share) for f, share in scores if share > NOT_TEXT]
+  if not bad:
+    return
+  raw = "or --data-raw-bytes to train on the bytes as they are"
+  if len(files) == 1:
+    raise ValueError(f"--data {spec!r} is mostly not text: {bad[0][1]:.0%} of the bytes sampled at its start, middle "
+                     "and end are control bytes or invalid UTF-8 (an executable, compressed or random data?), and "
+                     f"python -m train reads a file as UTF-8 text. Give a text file, {raw}")
+  named = ", ".join(f"{f} ({share:.0%})" for f, share in bad[:3]) + (", ..." if len(bad) > 3 else "")
+  raise ValueError(f"--data {spec!r} holds {len(bad)} file(s) that are mostly not text (the share of control bytes "
+                   f"or invalid UTF-8 in their sampled bytes): {named}. Give a folder of text only, {raw}")
+
+
+def load(spec: str | None, seq_len: int, pack: bool = False, walk: Walk | None = None, vocab_size: int | None = None,
+         raw_bytes: bool = False, progress: bool = False) -> Dataset:
+  """The data of `spec` (module docstring) for windows of seq_len.
+
+  Args:
+    spec: --data; None for the default.
+    seq_len: the model's window.
+    pack: also every training document packed (train.packing).
+    walk: a folder's files as that Walk of `spec` found them (the one its caller checked the run's outputs with);
+      None: walked now.
+    vocab_size: token shards whose ids reach it are refused (every shard read once); None: not checked.
+    raw_bytes: read files that are mostly not text (not_text) as bytes; False: refuse them.
+    progress: show tqdm bars for steps of the load that run past PROGRESS_DELAY.
+  """
   check_source(spec)
   if spec is None:
-    return _split_bytes(DEFAULT_NAME, stdlib_files(), seq_len, pack)
+    return _split_bytes(DEFAULT_NAME, stdlib_files(), seq_len, pack, progress)
   if spec.endswith(".bin"):
-    return _shards(spec, seq_len, pack)
+    return _shards(spec, seq_len, pack, vocab_size, progress)
   if os.path.isdir(spec):
-    return _split_bytes(spec, _text_files(spec, walk), seq_len, pack)
+    files = _text_files(spec, walk)
+    if not raw_bytes:
+      _check_text(spec, files)
+    return _split_bytes(spec, files, seq_len, pack, progress)
   if os.path.isfile(spec):
     if os.path.getsize(spec) == 0:
       raise ValueError(f"--data {spec!r} is empty")
-    return _split_bytes(spec, [spec], seq_len, pack)
+    if not raw_bytes:
+      _check_text(spec, [spec])
+    return _split_bytes(spec, [spec], seq_len, pack, progress)
   raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")

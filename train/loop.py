@@ -88,7 +88,8 @@ def _undo_if_raised(stack: contextlib.ExitStack, undo_it) -> None:
 
 
 def _load_data(cfg: TrainConfig, walk: data.Walk) -> data.Dataset:
-  dataset = data.load(cfg.data, cfg.model.seq_len, pack=cfg.pack, walk=walk)
+  dataset = data.load(cfg.data, cfg.model.seq_len, pack=cfg.pack, walk=walk, vocab_size=cfg.model.vocab_size,
+                      raw_bytes=cfg.data_raw_bytes, progress=cfg.progress and jax.process_index() == 0)
   if dataset.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"data {dataset.name} has token ids up to {dataset.vocab_size - 1}, more than the model's "
                      f"vocab_size {cfg.model.vocab_size}; use --vocab-size {dataset.vocab_size} or larger")
