@@ -1,6 +1,8 @@
 """train.data's checks of what --data names, and how it loads: data must look like data (text, or token shards whose
 ids fit the model), a device or pipe is not data, and a large load shows progress and holds the data once."""
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -59,6 +61,20 @@ def test_text_with_some_latin1_or_control_bytes_still_loads(tmp_path):
 
 def test_the_raw_bytes_flag_reaches_the_config():
   assert cli.parse(["--data-raw-bytes"]).data_raw_bytes and not cli.parse([]).data_raw_bytes
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: "/dev/zero", "error: --data '/dev/zero' is a character device, not a file of data"),
+    (lambda d: d / "noise.txt", "noise.txt' is mostly not text"),
+], ids=["device", "not-text"])
+def test_the_trainer_refuses_data_that_is_not_data_and_keeps_no_folder(tmp_path, make, message):
+  (tmp_path / "noise.txt").write_bytes(np.random.default_rng(0).bytes(50_000))
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as e:
+    cli.main(["--preset", "tiny", "--seq-len", "32", "--steps", "1", "--no-progress", "--data", str(make(tmp_path)),
+              "--ckpt-dir", str(tmp_path / "c")])
+  assert e.value.code == 2 and message in err.getvalue() and "Traceback" not in err.getvalue(), err.getvalue()
+  assert not (tmp_path / "c").exists()
 
 
 def test_shards_with_ids_past_the_vocabulary_are_refused_at_load_with_the_file_and_largest_id(tmp_path):
