@@ -6,9 +6,15 @@ Sources (`--data`):
   PATH          a text file or a folder of text files (one holding python -m train's run
                 folders or llm.c token shards is refused), byte-level (vocab 256); a
                 folder splits by file like the default, a single file keeps its last 10%.
+                A file that is mostly not text (not_text: an executable, compressed or
+                random bytes) is refused unless load's raw_bytes (--data-raw-bytes) is set;
+                a device, pipe or socket is refused. A single file is memory-mapped,
+                several are read once into one array.
   'DIR/*.bin'   llm.c / modded-nanogpt GPT-2 token shards (256 x int32 header, magic
                 20240520, version 1, token count; then uint16 tokens), memory-mapped.
                 Files with 'val' in the name are held out; without any, the last shard is.
+                Given the model's vocab_size, load reads every shard once and refuses ids
+                that reach it (a model cannot embed them).
 
 Batch b of step s is drawn from numpy's generator seeded with (seed, split, s), so a run
 resumed at step s sees exactly the batches the uninterrupted run would have.
