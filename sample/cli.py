@@ -91,7 +91,8 @@ def latest_run() -> str:
     raise SampleError(f"no --ckpt-dir given and no {LATEST} here (written when python -m train finishes "
                       "without --ckpt-dir): train first, or give --ckpt-dir") from None
   except OSError as e:
-    raise SampleError(f"no --ckpt-dir given, and {LATEST} cannot be read ({e.strerror or e}): give --ckpt-dir") from None
+    raise SampleError(f"no --ckpt-dir given, and {LATEST} cannot be read ({e.strerror or e}): "
+                      "give --ckpt-dir") from None
   try:
     name = raw.decode("utf-8").strip()
   except UnicodeDecodeError:
