@@ -53,7 +53,9 @@ def check_dtype(dtype, source: str) -> None:
 
 
 SHOWN_ROWS = 8  # rows an overflow error lists; the rest it counts
-NNX_SIZE = "init_cache's max_length"  # where a layer's cache gets its length, as an overflow error names it
+# where a layer's cache gets its max_length, as an error names it: nnx's init_cache(input_shape, dtype) takes it in
+# its shape, linen's init from the input it shapes the cache with
+NNX_SIZE = "the max_length of init_cache's input_shape (*batch, max_length, in_features)"
 LINEN_SIZE = "the max_length of the (*batch, max_length, features) input that init shapes the cache with"
 
 
@@ -83,7 +85,7 @@ def check_room(index, lengths, max_length: int, size: str = NNX_SIZE) -> None:
           f"(to {int(end[r])})" for i, r in enumerate(over[:SHOWN_ROWS])]
   more = f" and {len(over) - SHOWN_ROWS} more rows" if len(over) > SHOWN_ROWS else ""
   raise ValueError(f"decoding past the KV cache: {', '.join(rows)}{more}; the cache holds {max_length} positions per "
-                   f"row. Give it at least {int(end.max())} ({size}) or stop earlier.")
+                   f"row. Give it at least {int(end.max())} positions ({size}) or stop earlier.")
 
 
 def check_flax_room(index, batch: tuple[int, ...], max_length: int, size: str = NNX_SIZE) -> None:

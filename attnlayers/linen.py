@@ -107,6 +107,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     inputs_k, inputs_v = self._kv_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
     features = self.out_features or inputs_q.shape[-1]
     qkv_features = self.qkv_features or inputs_q.shape[-1]
+    spec.check_num_heads(self.num_heads)  # ours: Flax's modulo below divides by it
     spec.check_num_kv_heads(self.num_kv_heads)  # ours
     num_kv_heads = self.num_kv_heads or self.num_heads  # ours
     if qkv_features % self.num_heads:

@@ -94,8 +94,11 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                fp8_recipe: fp8.FP8Recipe | None = None, sliding_window: tuple[int, int] | None = None, **kwargs):
     backends.check_name(backend)
     spec.check_is_causal(is_causal)
-    # num_kv_heads as Flax's signature binds it: a keyword, or the fifth positional argument
-    spec.check_num_kv_heads(FLAX_INIT.bind_partial(self, *args, **kwargs).arguments.get("num_kv_heads"))
+    # num_heads and num_kv_heads as Flax's signature binds them: keywords, or the first and fifth positional arguments
+    bound = FLAX_INIT.bind_partial(self, *args, **kwargs).arguments
+    if "num_heads" in bound:  # missing: Flax's own TypeError says so
+      spec.check_num_heads(bound["num_heads"])
+    spec.check_num_kv_heads(bound.get("num_kv_heads"))
     if attention_fn is not None and backend != backends.AUTO:
       raise ValueError(f"pass either attention_fn= or backend= ({backend!r}), not both: a custom "
                        "attention_fn replaces the backend's kernel")

@@ -241,6 +241,13 @@ def _check_broadcast(name: str, x, target: tuple[int, ...], letters: str) -> tup
   return shape
 
 
+def check_num_heads(num_heads) -> None:
+  """A layer's num_heads: a positive int, numpy's too (it divides the features and the key/value heads divide it)."""
+  if not is_integer(num_heads) or num_heads <= 0:
+    raise ValueError(f"num_heads must be a positive int (the query heads: 1 or more, dividing the qkv "
+                     f"features); got {num_heads!r}")
+
+
 def check_num_kv_heads(num_kv_heads) -> None:
   """A layer's num_kv_heads: None (= num_heads) or a positive int, numpy's too (its divisibility is checked with
   num_heads)."""
@@ -299,6 +306,10 @@ def check_window(window) -> tuple[int, int] | None:
   """A sliding window: None (every key) or (left, right), two Python ints >= 0, known when the call is traced."""
   if window is None:
     return None
+  if isinstance(window, (tuple, list)) and any(isinstance(w, jax.core.Tracer) for w in window):
+    raise TypeError(f"window must be two Python ints known when the call is traced (it is a static option of "
+                    f"the fused kernels); got a traced value in {window!r}. Pass it as a constant "
+                    "(static_argnums, or a layer's sliding_window=), or mask keys with mask= or bias= instead")
   ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
       is_integer(w) and w >= 0 for w in window)
   if not ok:

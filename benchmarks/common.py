@@ -11,8 +11,10 @@ and their convention: benchmarks.flops.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import sys
+import tempfile
 import time
 
 import jax
@@ -46,6 +48,27 @@ def refuse_unless_runnable(plans: dict, why: str) -> None:
     said = ". ".join(f"{', '.join(labels)}: {'; '.join(reasons)}" for reasons, labels in refused.items())
     print(f"error: {said}. {why}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_out(parser, path: str, flag: str = "--out", file: bool = False) -> None:
+  """Exits with code 2 and one line (parser.error) unless the folder `path` (`file`: the file `path`) can be
+  written: a benchmark checks its output before it times anything, so rows are not timed and then lost. Makes
+  nothing: it writes and deletes one temporary file in the nearest folder that exists (the check that holds for
+  root and for read-only mounts alike, which permission bits do not say)."""
+  folder = os.path.dirname(os.path.abspath(path)) if file else os.path.abspath(path)
+  if file and os.path.isdir(path):
+    parser.error(f"{flag} {path} is a folder; give the file to write")
+  probe = folder
+  while not os.path.lexists(probe):
+    probe = os.path.dirname(probe)
+  if not os.path.isdir(probe):
+    parser.error(f"{flag} {path} cannot be written: {probe} is a file, not a folder; give another {flag}")
+  try:
+    fd, tmp = tempfile.mkstemp(dir=probe, prefix=".write-check-")
+    os.close(fd)
+    os.remove(tmp)
+  except OSError as e:
+    parser.error(f"{flag} {path} cannot be written: {probe}: {e.strerror or e}; give another {flag}")
 
 
 def time_fn(fn, *args, warmup: int = 3, calls: int = 20) -> Timing:

@@ -260,6 +260,7 @@ def main(argv=None) -> None:
                  "last point's duration, end past them; those not run are rows saying so, and every file is written")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
+  common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
   start = time.perf_counter()
   s = dict(QUICK if a.quick else FULL)
   s |= {k: v for k, v in vars(a).items() if k in s and v is not None}

@@ -181,6 +181,7 @@ def main(argv=None) -> None:
   p.add_argument("--warmup", type=flags.int_at_least(0), default=3, help="untimed calls per row after compilation")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
+  common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
   D, N = a.layer[2:]
   if D % N:
     p.error(f"--layer B T D N: D ({D}) must be a multiple of N ({N}), the head dim being D / N")

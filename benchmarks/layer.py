@@ -275,6 +275,21 @@ def wrapper_overhead(rows: list[dict]) -> list[dict]:
   return out
 
 
+def _results(parser, path: str) -> dict:
+  """The layer.json at `path` (python -m benchmarks.layer wrote it), or exit 2 (parser.error) naming the file."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      run = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    parser.error(f"--merge: {path} is not a layer.json this benchmark wrote: it cannot be read as JSON "
+                 f"({getattr(e, 'strerror', None) or e})")
+  env = run.get("environment") if isinstance(run, dict) else None
+  if not (isinstance(env, dict) and "matmul_bf16_tflops" in env and isinstance(run.get("rows"), list)):
+    parser.error(f"--merge: {path} is not a layer.json this benchmark wrote: it has no \"environment\" with "
+                 "matmul_bf16_tflops and no \"rows\" list; give the layer.json files of earlier runs")
+  return run
+
+
 def main(argv=None) -> None:
   p = flags.Parser(prog="python -m benchmarks.layer", description=flags.description(__doc__))
   one = flags.int_at_least(1)
@@ -296,6 +311,7 @@ def main(argv=None) -> None:
   p.add_argument("--merge", nargs="+", metavar="LAYER_JSON",
                  help="times nothing: writes one report from earlier runs' layer.json (e.g. one per --sections)")
   a = p.parse_args(argv)
+  common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
   timing = {"--quick": a.quick, "--sections": a.sections, "--seqs": a.seqs, "--batches": a.batches,
             "--levels": a.levels, "--calls": a.calls, "--backends": a.backends}
   if a.merge and (given := [flag for flag, v in timing.items() if v]):  # merge times nothing: it would drop them
@@ -309,10 +325,7 @@ def main(argv=None) -> None:
   if missing:
     p.error(f"--merge: no such file: {', '.join(missing)}")
   if a.merge:
-    runs = []
-    for path in a.merge:
-      with open(path) as f:
-        runs.append(json.load(f))
+    runs = [_results(p, path) for path in a.merge]  # every file read before anything is written
     matmuls = [r["environment"]["matmul_bf16_tflops"] for r in runs]  # a merged run's is a list already
     env = runs[0]["environment"] | {"matmul_bf16_tflops": [x for m in matmuls for x in (m if isinstance(m, list) else [m])],
                                     "note": "rows from several processes; each row's vs_matmul uses its own process's matmul"}

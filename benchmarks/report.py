@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 
 try:
   import matplotlib
-except ModuleNotFoundError as e:  # an optional dependency: say which extra brings it
-  raise ModuleNotFoundError("the benchmarks write plots with matplotlib, which is not installed: "
-                            "pip install 'attnlayers[bench]'") from e
+except ModuleNotFoundError:  # an optional dependency: one line naming the extra that brings it, as a bad flag's
+  print("error: the benchmarks write plots with matplotlib, which is not installed: pip install 'attnlayers[bench]'",
+        file=sys.stderr)
+  raise SystemExit(2) from None
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402

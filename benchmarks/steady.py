@@ -107,6 +107,7 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--sustain-calls", type=int, default=200, help="calls of the sustained matmul (10 matmuls each)")
   p.add_argument("--out", default="runs/benchmarks", help="folder for steady.json and steady.md")
   a = p.parse_args(argv)
+  common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
   a.seq_len = models.PRESETS[a.preset].seq_len if a.seq_len is None else a.seq_len
   if a.matmul_n is None:
     a.matmul_n = common.yardstick_n()

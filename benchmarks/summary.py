@@ -11,7 +11,7 @@ import os
 import re
 
 from train import flags
-from benchmarks import report
+from benchmarks import common, report
 
 
 # the JSON files the page is made of, and the benchmark (python -m benchmarks.<name>) that writes each
@@ -190,6 +190,7 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="benchmarks/RESULTS.md")
   p.add_argument("--note", help="a line to add under the header, e.g. versions the JSON files do not record")
   a = p.parse_args(argv)
+  common.check_out(p, a.out, file=True)  # before any work: a page that cannot be written is refused now
   missing = [f"{name} (python -m benchmarks.{by})" for name, by in REQUIRED.items()
              if not os.path.isfile(os.path.join(a.directory, name))]
   if missing:

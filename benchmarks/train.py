@@ -140,6 +140,7 @@ def main(argv=None) -> None:
                  help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, 512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
+  common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
   a.seq_len = a.seq_len or [models.PRESETS[a.preset].seq_len]
   if a.matmul_n is None:
     a.matmul_n = common.yardstick_n()

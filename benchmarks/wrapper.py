@@ -143,6 +143,7 @@ def main(argv=None) -> None:
   p.add_argument("--calls", type=one, default=20, help="timed calls per program and round")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
+  common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
   B, N, H = a.shape
   q = jax.ShapeDtypeStruct((B, min(a.seqs), N, H), jnp.bfloat16)  # (B, T, N, H)
   common.refuse_unless_runnable(  # every kernel this compares must run here: say why not, before any work

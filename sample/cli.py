@@ -41,9 +41,10 @@ class Restored:
   tokenizer: str  # its tokens: tokenizers.BYTES or tokenizers.GPT2 (tokenizer)
 
 
-def restore(directory: str, backend: str, step: int | None = None) -> Restored:
-  """The model of `directory`'s newest intact step (or `step`), built with attention `backend`."""
-  with reader.Reader(directory) as read:
+def restore(directory: str, backend: str, step: int | None = None, named: str | None = None) -> Restored:
+  """The model of `directory`'s newest intact step (or `step`), built with attention `backend`; errors call the
+  folder `named` (default: "--ckpt-dir <directory>", train.reader.Reader)."""
+  with reader.Reader(directory, named) as read:
     step = read.newest_intact() if step is None else step
     meta = read.meta(step)
     arch, note = checkpoint.architecture(meta)
@@ -84,12 +85,28 @@ def tokenizer(meta: dict, vocab_size: int) -> str:
 def latest_run() -> str:
   """The folder that runs/latest names: the newest run python -m train finished without --ckpt-dir."""
   try:
-    with open(LATEST, encoding="utf-8") as f:
-      name = f.read().strip()
+    with open(LATEST, "rb") as f:
+      raw = f.read()
   except FileNotFoundError:
     raise SampleError(f"no --ckpt-dir given and no {LATEST} here (written when python -m train finishes "
                       "without --ckpt-dir): train first, or give --ckpt-dir") from None
-  return os.path.join(RUNS, name)
+  except OSError as e:
+    raise SampleError(f"no --ckpt-dir given, and {LATEST} cannot be read ({e.strerror or e}): "
+                      "give --ckpt-dir") from None
+  try:
+    name = raw.decode("utf-8").strip()
+  except UnicodeDecodeError:
+    name = None
+  if not name or name != os.path.basename(name) or name in (".", ".."):
+    raise SampleError(f"no --ckpt-dir given, and {LATEST} does not hold the name of a run folder in {RUNS} (as "
+                      f"python -m train writes it): it holds {raw[:40]!r}. Give --ckpt-dir, or delete {LATEST} "
+                      "and train again")
+  path = os.path.join(RUNS, name)
+  if not os.path.isdir(path):
+    raise SampleError(f"no --ckpt-dir given, and the run {LATEST} names, {path}, "
+                      f"{'is not a folder' if os.path.exists(path) else 'does not exist (deleted?)'}: give --ckpt-dir "
+                      "with a folder python -m train saved to, or train again")
+  return path
 
 
 def _temperature(text: str) -> float:
@@ -155,7 +172,7 @@ def _new_tokens(asked: int | None, prompt_len: int, seq_len: int) -> int:
 def run(a) -> None:
   text = _prompt(a)
   directory = a.ckpt_dir if a.ckpt_dir is not None else latest_run()
-  r = restore(directory, a.attn)
+  r = restore(directory, a.attn, named=None if a.ckpt_dir is not None else f"{directory} (the run {LATEST} names)")
   cfg = r.model.cfg
   prompt = tokenizers.encode(text, r.tokenizer)
   new = _new_tokens(a.tokens, len(prompt), cfg.seq_len)

@@ -463,10 +463,10 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
         "fp8_train-lr-0", "fp8_train-batch-0", "fp8_train-heads", "wrapper-seqs-0", "wrapper-rounds-0",
         "decode-calls-0", "decode-context-too-long", "step-batch-0", "steady-seq-len-0"])
 @pytest.mark.filterwarnings("ignore:'benchmarks\\..*' found in sys.modules:RuntimeWarning")
-def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message, capsys, monkeypatch):
+def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message, capsys, monkeypatch, tmp_path):
   """`python -m MODULE ARGS` in this process: runpy runs the module as __main__, as python -m does."""
   import runpy
-  monkeypatch.setattr(sys, "argv", [module, *args, "--out", "/nonexistent-out"])
+  monkeypatch.setattr(sys, "argv", [module, *args, "--out", str(tmp_path / "out")])  # writable: the flag fails
   with pytest.raises(SystemExit) as e:
     runpy.run_module(module, run_name="__main__", alter_sys=True)
   err = capsys.readouterr().err
@@ -607,3 +607,75 @@ def test_the_raw_te_call_takes_the_settings_attnlayers_hands_te(monkeypatch, cau
   raw, ours = seen
   assert ours == raw, (ours, raw)
   assert ours["scaling_factor"] == call.scale == 1.0 / math.sqrt(H)
+
+
+OUT_MODULES = ["benchmarks.layer", "benchmarks.train", "benchmarks.fp8", "benchmarks.fp8_train", "benchmarks.wrapper",
+               "benchmarks.decode", "benchmarks.steady", "benchmarks.summary"]
+
+
+@pytest.mark.parametrize("module", OUT_MODULES)
+@pytest.mark.filterwarnings("ignore:'benchmarks\\..*' found in sys.modules:RuntimeWarning")
+def test_an_out_that_cannot_be_written_exits_2_before_any_timing(module, capsys, monkeypatch, tmp_path):
+  """Every benchmark with --out checks it first (benchmarks.common.check_out): benchmarks.layer timed for minutes
+  and then lost its rows to an --out it could not write."""
+  import runpy
+  (tmp_path / "file").write_text("x")
+  out = str(tmp_path / "file" / "out")
+  monkeypatch.setattr(common, "time_fn", lambda *a, **k: pytest.fail("timed a row"))
+  monkeypatch.setattr(sys, "argv", [module, "--out", out])
+  with pytest.raises(SystemExit) as e:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith(f"error: --out {out} cannot be written: {tmp_path / 'file'} is a "
+                                              "file, not a folder; give another --out"), err[-1500:]
+  assert len(err.strip().splitlines()) == 1, err[-1500:]
+
+
+def test_check_out_tries_a_write(tmp_path, capsys, monkeypatch):
+  """Permission bits do not say what root may write, nor what a read-only mount refuses: the check writes a file
+  (and deletes it) in the nearest folder that exists, and makes nothing else."""
+  from train import flags
+  p = flags.Parser(prog="python -m benchmarks.x")
+  common.check_out(p, str(tmp_path / "a" / "b"))
+  assert os.listdir(tmp_path) == []
+  def refuse(*a, **k):
+    raise PermissionError(13, "Permission denied")
+  monkeypatch.setattr(common.tempfile, "mkstemp", refuse)
+  with pytest.raises(SystemExit) as e:
+    common.check_out(p, str(tmp_path / "a"))
+  assert e.value.code == 2 and f"error: --out {tmp_path / 'a'} cannot be written: {tmp_path}: Permission denied; " \
+      "give another --out" in capsys.readouterr().err
+  (tmp_path / "d").mkdir()
+  with pytest.raises(SystemExit):
+    common.check_out(p, str(tmp_path / "d"), file=True)
+  assert f"--out {tmp_path / 'd'} is a folder; give the file to write" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, why", [
+    (b'{"rows": []}', 'it has no "environment" with matmul_bf16_tflops and no "rows" list'),
+    (b"[1, 2]", 'it has no "environment"'),
+    (b"not json", "it cannot be read as JSON (Expecting value"),
+    (b"\x7fELF\xff\xfe", "it cannot be read as JSON ('utf-8' codec can't decode"),
+], ids=["no-environment", "a-list", "text", "binary"])
+def test_merge_of_a_file_that_is_not_a_results_file_exits_2_naming_it(content, why, tmp_path, capsys):
+  """--merge read any file it was given: json's or a KeyError's traceback, after --out was made."""
+  path = tmp_path / "x.json"
+  path.write_bytes(content)
+  with pytest.raises(SystemExit) as e:
+    layer.main(["--merge", str(path), "--out", str(tmp_path / "out")])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith(f"error: --merge: {path} is not a layer.json this benchmark wrote: "
+                                              f"{why}"), err[-1500:]
+  assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err[-1500:]
+
+
+@pytest.mark.slow
+def test_without_matplotlib_a_benchmark_says_which_extra_in_one_line():
+  """Without the bench extra, python -m benchmarks.layer printed two chained tracebacks before the install hint."""
+  code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = ['benchmarks.layer', '--quick']; "
+          "runpy.run_module('benchmarks.layer', run_name='__main__', alter_sys=True)")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+  assert proc.returncode == 2, proc.stderr[-1500:]
+  assert proc.stderr.strip() == ("error: the benchmarks write plots with matplotlib, which is not installed: "
+                                 "pip install 'attnlayers[bench]'"), proc.stderr[-1500:]

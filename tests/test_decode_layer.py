@@ -250,6 +250,23 @@ def test_decoding_past_the_cache_under_jit_gives_nan_rows(backend):
   reference.assert_close(out[0, :2], full[0, 4:], jnp.float32, what=f"{backend} row 0 beside an overflowing row")
 
 
+def test_the_full_cache_of_docs_layers_md():
+  """docs/layers.md's example, as written there: a row at position 4 of a 4-position cache that a jitted call gives
+  one more token returns NaN and keeps cache_index 4; the same call eagerly raises, naming where the cache's length
+  is given (init_cache's input_shape: init_cache has no max_length argument, which the error named)."""
+  m = layer("xla", 2)
+  m.init_cache((1, 4, D))
+  m(tokens(1, 4), decode=True)
+  out = nnx.jit(lambda m, x: m(x, decode=True))(m, tokens(1, 1, seed=9))
+  assert np.isnan(np.asarray(out)).all()
+  np.testing.assert_array_equal(m.cache_index[...], [4])
+  with pytest.raises(ValueError, match=re.escape(
+      "row 0 at position 4 adds 1 token (to 5); the cache holds 4 positions per row. Give it at least 5 positions "
+      "(the max_length of init_cache's input_shape (*batch, max_length, in_features)) or stop earlier.")):
+    m(tokens(1, 1, seed=9), decode=True)
+  np.testing.assert_array_equal(m.cache_index[...], [4])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_row_refused_under_jit_is_nan_once_and_keeps_its_cache(backend):
   """Under nnx.jit a row with lengths outside [0, T] (7 or -2 of T = 2), or past the cache's end (5 at 4 of 8), cannot
@@ -356,7 +373,8 @@ def test_custom_attention_fn_past_flaxs_cache_raises_as_the_backends_do():
   m(tokens(2, 1))
   m(tokens(2, 1))
   with pytest.raises(ValueError, match=r"row 0 at position 2 adds 1 token \(to 3\).*holds 2 positions per row\. "
-                                       r"Give it at least 3 \(init_cache's max_length\)"):
+                                       r"Give it at least 3 positions \(the max_length of init_cache's input_shape "
+                                       r"\(\*batch, max_length, in_features\)\)"):
     m(tokens(2, 1))
   assert int(m.cache_index[...]) == 2
 
@@ -366,8 +384,8 @@ def test_a_cache_of_length_0_is_refused_where_it_is_made(attention_fn):
   """init_cache((2, 0, D)) made a cache that every decode call then overflowed; it now raises at once, naming the
   length and what works."""
   m = MultiHeadAttention(N, D, decode=True, attention_fn=attention_fn, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"a KV cache needs max_length >= 1 position per row; got 0 \(init_cache's "
-                                       r"max_length\)"):
+  with pytest.raises(ValueError, match=r"a KV cache needs max_length >= 1 position per row; got 0 \(the max_length "
+                                       r"of init_cache's input_shape \(\*batch, max_length, in_features\)\)"):
     m.init_cache((2, 0, D))
   assert m.cached_key is None, "refused before a cache was made"
 

@@ -109,7 +109,8 @@ def test_decoding_past_the_cache_raises():
   m = layer("xla", 2, decode=True)
   _, cache = step(m, params, new_cache(m, 2, 6), tokens(2, 4))
   with pytest.raises(ValueError, match=r"past the KV cache: row 0 at position 4 adds 3 tokens \(to 7\).*holds 6 "
-                                       rf"positions per row\. Give it at least 7 {LINEN_SIZE} or stop earlier\."):
+                                       rf"positions per row\. Give it at least 7 positions {LINEN_SIZE} "
+                                       r"or stop earlier\."):
     step(m, params, cache, tokens(2, 3))
 
 
@@ -121,7 +122,7 @@ def test_a_custom_attention_fn_past_flaxs_cache_raises_as_the_backends_do():
   for t in range(2):
     _, cache = step(m, params, cache, tokens(2, 1, seed=t))
   with pytest.raises(ValueError, match=rf"row 0 at position 2 adds 1 token \(to 3\).*holds 2 positions per row\. "
-                                       rf"Give it at least 3 {LINEN_SIZE}"):
+                                       rf"Give it at least 3 positions {LINEN_SIZE}"):
     step(m, params, cache, tokens(2, 1))
 
 

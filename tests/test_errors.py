@@ -208,3 +208,29 @@ def test_float16_on_cpu_runs_on_naive_and_xla_says_why():
   assert out.dtype == jnp.float16 and bool(jnp.isfinite(grads).all())
   layer = MultiHeadAttention(4, 64, dtype=jnp.float16, is_causal=True, decode=False, rngs=nnx.Rngs(0))
   assert nnx.jit(lambda m, y: m(y))(layer, jnp.ones((2, 8, 64), jnp.float16)).dtype == jnp.float16
+
+
+def test_traced_window_needs_a_value_known_at_trace_time():
+  """A window passed through jit's arguments is traced: the error says it must be known when the call is traced,
+  as scale's does, rather than that it is not two ints."""
+  x = jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(TypeError, match=r"window must be two Python ints known when the call is traced.*got a traced "
+                                      r"value.*Pass it as a constant"):
+    jax.jit(lambda w: attnlayers.attention(x, x, x, window=(w, 0)))(2)
+  layer = MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="window must be two Python ints known when the call is traced"):
+    nnx.jit(lambda layer, w: layer(jnp.zeros((1, 4, 8)), sliding_window=(0, w)))(layer, 1)
+
+
+@pytest.mark.parametrize("num_heads", [0, -2, 2.0, True])
+def test_layer_num_heads_must_be_positive(num_heads):
+  """num_heads=0 divided by zero inside Flax's constructor; both layers refuse it by name."""
+  from attnlayers.linen import MultiHeadDotProductAttention
+  message = re.escape(f"num_heads must be a positive int (the query heads: 1 or more, dividing the qkv features); "
+                      f"got {num_heads!r}")
+  with pytest.raises(ValueError, match=message):
+    MultiHeadAttention(num_heads, 8, decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=message):
+    MultiHeadAttention(in_features=8, num_heads=num_heads, decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=message):
+    MultiHeadDotProductAttention(num_heads=num_heads).init(jax.random.key(0), jnp.zeros((1, 4, 8)))

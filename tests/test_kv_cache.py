@@ -16,7 +16,8 @@ def test_an_overflow_names_every_row_its_position_and_the_length_that_would_hold
   message = str(e.value)
   assert message == ("decoding past the KV cache: row 0 at position 4 adds 3 tokens (to 7), row 1 at position 5 adds 2 "
                      "(to 7), row 3 at position 6 adds 1 (to 7); the cache holds 6 positions per row. Give it at "
-                     "least 7 (init_cache's max_length) or stop earlier."), message
+                     "least 7 positions (the max_length of init_cache's input_shape (*batch, max_length, in_features)) "
+                     "or stop earlier."), message
 
 
 def test_an_overflow_in_a_batch_of_two_dims_names_rows_by_both_indices():

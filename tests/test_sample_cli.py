@@ -158,6 +158,20 @@ def _empty(d):
   return str(d / "empty")
 
 
+def _unsealed(folder):
+  """A folder whose one step folder, 100, holds a file and no manifest (a save cut short, or not python -m train's)."""
+  (folder / "100").mkdir(parents=True)
+  (folder / "100" / "f").write_text("x")
+  return str(folder)
+
+
+def _latest(d, raw: bytes, *_):
+  """No flags, with runs/latest holding `raw` in the working folder d."""
+  (d / "runs").mkdir(exist_ok=True)
+  (d / "runs" / "latest").write_bytes(raw)
+  return []
+
+
 def _file(d):
   (d / "f").write_text("x")
   return str(d / "f")
@@ -203,6 +217,20 @@ BAD = {
                           "likely token: always among the top k, nothing random): leave out --top-k and --seed, "
                           "or give a --temperature above 0"),
     "no-latest-run": (lambda t, d: [], "no --ckpt-dir given and no runs/latest here"),
+    # a step folder without its manifest: the message read "holds no checkpoint (no step folder with attnlayers.json)"
+    "step-without-manifest": (lambda t, d: ["--ckpt-dir", _unsealed(d / "c")],
+                              "holds no checkpoint python -m train saved (its step folder 100 has no attnlayers.json, "
+                              "the manifest python -m train seals each saved step with): give --ckpt-dir the folder"),
+    # runs/latest naming a deleted run blamed a --ckpt-dir the user never gave
+    "latest-run-deleted": (lambda t, d: _latest(d, b"gone\n"), "no --ckpt-dir given, and the run runs/latest names, "
+                           "runs/gone, does not exist (deleted?): give --ckpt-dir"),
+    "latest-run-unsealed": (lambda t, d: _latest(d, b"r\n", _unsealed(d / "runs" / "r")),
+                            "runs/r (the run runs/latest names) holds no checkpoint python -m train saved"),
+    # bad bytes in runs/latest gave a bare "'utf-8' codec can't decode byte 0xff"
+    "latest-bad-bytes": (lambda t, d: _latest(d, b"\xff\xfe\x80"), "no --ckpt-dir given, and runs/latest does not "
+                         "hold the name of a run folder in runs (as python -m train writes it): it holds "
+                         "b'\\xff\\xfe\\x80'. Give --ckpt-dir"),
+    "latest-a-path": (lambda t, d: _latest(d, b"../etc\n"), "runs/latest does not hold the name of a run folder"),
 }
 if jax.default_backend() == "cpu":  # a GPU with TransformerEngine may run it
   BAD["te-fp8-cannot-run"] = (lambda t, d: ["--ckpt-dir", str(t[1]), "--attn", "te-fp8", "--tokens", "2"],

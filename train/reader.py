@@ -41,10 +41,12 @@ def _registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
 
 
 class Reader:
-  """Reads the steps of the checkpoint folder `directory`; messages name the folder as given."""
+  """Reads the steps of the checkpoint folder `directory`. Messages call the folder `named`: as the user gave it
+  (default "--ckpt-dir <directory>"; python -m sample names the run runs/latest names so)."""
 
-  def __init__(self, directory: str):
+  def __init__(self, directory: str, named: str | None = None):
     self.directory = directory
+    self.named = f"--ckpt-dir {directory}" if named is None else named
     self.checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler(handler_registry=_registry()))
 
   def path(self, step: int) -> str:
@@ -111,11 +113,15 @@ class Reader:
     directory = self.directory
     if not os.path.isdir(directory):
       what = "is not a folder" if os.path.exists(directory) else "does not exist"
-      raise CheckpointError(f"--ckpt-dir {directory} {what}: give the folder python -m train saved to")
+      raise CheckpointError(f"{self.named} {what}: give --ckpt-dir the folder python -m train saved to")
     found = stepdirs.listing(directory)
     if not found.ours:
-      raise CheckpointError(f"--ckpt-dir {directory} holds no checkpoint (no step folder with {stepdirs.MANIFEST}): "
-                            "give the folder python -m train saved to")
+      unsealed = found.foreign + found.empty
+      what = (f"its step folder{'s' if len(unsealed) > 1 else ''} {', '.join(map(str, sorted(unsealed)[:5]))} "
+              f"{'have' if len(unsealed) > 1 else 'has'} no {stepdirs.MANIFEST}, the manifest python -m train seals "
+              "each saved step with" if unsealed else "no step folder is in it")
+      raise CheckpointError(f"{self.named} holds no checkpoint python -m train saved ({what}): give --ckpt-dir the "
+                            "folder python -m train saved to")
     problems = []
     for step in reversed(found.ours):
       problem = stepdirs.problem(stepdirs.step_path(directory, step))
