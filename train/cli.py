@@ -30,7 +30,8 @@ from attnlayers import spec
 from train.flags import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, data, hosts, lock, loop, metrics, overlap, report, signals, tokenizers, undo
+from train import (checkpoint, config, data, hosts, lock, loop, metrics, overlap, report, signals, stepdirs,
+                   tokenizers, undo)
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -39,6 +40,16 @@ SAMPLE_TOKENS = 200  # new tokens the end-of-run sample has by default, where th
 
 def _setting(text: str) -> str:
   return text.replace("-", "_")
+
+
+def _path(otherwise: str):
+  """argparse type of a path flag: refuses an empty one (an unset shell variable), which would otherwise run as if
+  the flag were not given; `otherwise` says what does what the empty path was taken for."""
+  def parse(text: str) -> str:
+    if not text:
+      raise argparse.ArgumentTypeError(f"an empty path (an unset variable?); {otherwise}")
+    return text
+  return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,11 +92,13 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (warm-up, then cosine decay)")
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
-  p.add_argument("--data", help="text file, folder of text (every file under it; no run folders of python -m train), "
+  p.add_argument("--data", type=_path("leave out --data to train on the default text"),
+                 help="text file, folder of text (every file under it; no run folders of python -m train), "
                                 "or 'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed "
                                 "Python's standard library sources, read at run time (no download)")
   keep = p.add_mutually_exclusive_group()
-  keep.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: a new "
+  keep.add_argument("--ckpt-dir", type=_path("--no-ckpt trains without checkpoints, and leaving out --ckpt-dir "
+                                              f"keeps them in a new folder in {RUNS}/"), help="save checkpoints here and resume from the newest intact one; default: a new "
                                        f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
   keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
   p.add_argument("--ckpt-every", type=one, help="steps between checkpoints (the last step is always saved); default: "
@@ -98,7 +111,8 @@ def parser() -> argparse.ArgumentParser:
                  "them all")
   p.add_argument("--eval-every", type=zero, default=100, help="steps between validation losses; 0: none")
   p.add_argument("--log-every", type=one, default=10, help="steps between metrics records")
-  p.add_argument("--metrics", help="append JSON lines (per logged step, resumes, ...) to this file; default: none")
+  p.add_argument("--metrics", type=_path("leave out --metrics to write no metrics file"),
+                 help="append JSON lines (per logged step, resumes, ...) to this file; default: none")
   p.add_argument("--sample-tokens", type=zero, help="tokens to sample at the end, after a prompt from the validation "
                  f"text; at most three quarters of --seq-len fit (the prompt takes the rest); 0: none; default: "
                  f"{SAMPLE_TOKENS}, or as many as fit")
@@ -106,9 +120,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="hide the progress bar (shown by default)")
   first, last = config.PROFILE_WINDOW
-  p.add_argument("--profile-dir", help=f"write a profiler trace of the run's steps {first}-{last} here "
+  p.add_argument("--profile-dir", type=_path("leave out --profile-dir to write no trace"),
+                 help=f"write a profiler trace of the run's steps {first}-{last} here "
                                        "(perfetto_trace.json.gz + xplane); default: none")
-  p.add_argument("--coordinator-address", help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
+  p.add_argument("--coordinator-address", type=_path("leave out --coordinator-address for a run on one host"),
+                 help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
   p.add_argument("--num-processes", type=one, help="multi-host: how many processes")
   p.add_argument("--process-id", type=zero, help="multi-host: this process's index")
   return p
@@ -387,11 +403,34 @@ def _run_dir_made(s: Start) -> str | None:
   return None
 
 
+def _outputs_in_another_run(s: Start) -> str | None:
+  """Where an output path would land where this run has no business: --ckpt-dir a folder holding files but no
+  checkpointed run of this program, or any output in a step folder of a run (stepdirs.step_folder_at). A run writing
+  there would mix its files with the user's, or make that run's newest step look damaged."""
+  problems = []
+  for flag, path in (("--ckpt-dir", s.a.ckpt_dir), ("--metrics", s.a.metrics), ("--profile-dir", s.a.profile_dir)):
+    step = stepdirs.step_folder_at(path) if path else None
+    if step is not None:
+      run = os.path.dirname(step)
+      resume = f"--ckpt-dir {run} resumes that run, or give" if flag == "--ckpt-dir" else "give"
+      where = "is" if os.path.realpath(path) == step else "lies in"
+      problems.append(f"{flag} {path} {where} the step folder {step} of the checkpointed run in {run}: writing there "
+                      f"would damage that checkpoint; {resume} {flag} a path outside it")
+  ckpt = s.a.ckpt_dir
+  if not problems and ckpt and os.path.isdir(ckpt) and os.listdir(ckpt) and not stepdirs.holds_run(ckpt):
+    names = sorted(os.listdir(ckpt))
+    problems.append(f"--ckpt-dir {ckpt} holds files that are not a checkpointed run of python -m train "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): give a new or empty folder, or the "
+                    "folder a run saved its checkpoints to")
+  return "; ".join(problems) or None
+
+
 # Every refusal of the flags, in the order checked, each run once the checks above it passed: a function of the
 # Start that returns the message the run stops with (exit code 2), or None. The last two make the multi-host run's
 # connection and the run's folder, which the checks after them need, and nothing else is made before them.
 CHECKS = (
     lambda s: _checkpoint_flags(s.a),
+    _outputs_in_another_run,
     _built,
     _float16_off_a_gpu,
     _multihost_flags_apart,
