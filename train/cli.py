@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 
@@ -93,13 +94,14 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
   p.add_argument("--data", type=_path("leave out --data to train on the default text"),
-                 help="text file, folder of text (every file under it; no run folders of python -m train), "
-                                "or 'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed "
-                                "Python's standard library sources, read at run time (no download)")
+                 help="text file, folder of text (every file under it; no run folders of python -m train), or "
+                      "'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed Python's "
+                      "standard library sources, read at run time (no download)")
   keep = p.add_mutually_exclusive_group()
   keep.add_argument("--ckpt-dir", type=_path("--no-ckpt trains without checkpoints, and leaving out --ckpt-dir "
-                                              f"keeps them in a new folder in {RUNS}/"), help="save checkpoints here and resume from the newest intact one; default: a new "
-                                       f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
+                                              f"keeps them in a new folder in {RUNS}/"),
+                    help="save checkpoints here and resume from the newest intact one; default: a new "
+                         f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
   keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
   p.add_argument("--ckpt-every", type=one, help="steps between checkpoints (the last step is always saved); default: "
                  f"{config.TrainConfig.ckpt_every}")
@@ -121,8 +123,8 @@ def parser() -> argparse.ArgumentParser:
                  help="hide the progress bar (shown by default)")
   first, last = config.PROFILE_WINDOW
   p.add_argument("--profile-dir", type=_path("leave out --profile-dir to write no trace"),
-                 help=f"write a profiler trace of the run's steps {first}-{last} here "
-                                       "(perfetto_trace.json.gz + xplane); default: none")
+                 help=f"write a profiler trace of the run's steps {first}-{last} here (perfetto_trace.json.gz + "
+                      "xplane); default: none")
   p.add_argument("--coordinator-address", type=_path("leave out --coordinator-address for a run on one host"),
                  help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
   p.add_argument("--num-processes", type=one, help="multi-host: how many processes")
@@ -456,10 +458,37 @@ def start(argv=None) -> Start:
   return s
 
 
+def model_line(preset: str, model: models.GPTConfig) -> str:
+  """The model in one line, as a person reads it at the start of a run (the metrics file's start record has every
+  field): the preset and the fields that set its size, speed and numerics."""
+  kv = f" ({model.n_kv_head} kv)" if model.n_kv_head not in (None, model.n_head) else ""
+  window = (f", window {model.window}" + (f" ({model.window_pattern})" if model.window_pattern else "")
+            if model.window else "")
+  return (f"model: {preset}, {model.n_layer} layers, {model.n_head} heads{kv}, d_model {model.d_model}, seq_len "
+          f"{model.seq_len}, vocab {model.vocab_size}, attn {model.backend}, {model.dtype}"
+          f"{'' if model.bias else ', no bias'}{window}")
+
+
+def summary_line(summary: dict, metrics_path: str | None) -> str:
+  """The run's end in one line: its losses, rates and size, and where the whole summary record is (--metrics)."""
+  parts = [f"{summary['steps']} steps"] if summary.get("steps") is not None else []
+  for key, name in (("final_loss", "loss"), ("final_val_loss", "val loss")):
+    if summary.get(key) is not None:
+      parts.append(f"{name} {float(summary[key]):.4f}")
+  if summary.get("steps_per_s"):
+    parts.append(f"{summary['steps_per_s']:.3g} steps/s, {summary['tokens_per_s']:,.0f} tokens/s")
+  if summary.get("mfu") is not None:
+    parts.append(f"MFU {summary['mfu']:.1%}")
+  if summary.get("params") is not None:
+    parts.append(f"{summary['params']:,} parameters")
+  where = f"the full summary is in {metrics_path}" if metrics_path else "--metrics FILE keeps the full summary"
+  return f"done: {', '.join(parts)} ({where})"
+
+
 def main(argv=None) -> None:
   s = start(argv)
   a, model, cfg = s.a, s.model, s.cfg
-  print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}",
+  print(f"{model_line(a.preset, model)}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}",
         flush=True)
   try:
     summary = loop.run(cfg, s.walk)
@@ -473,18 +502,31 @@ def main(argv=None) -> None:
     if s.fresh:  # made by fresh_run_dir: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
       _discard_if_unused(cfg.ckpt_dir, s.made)
     _refuse(f"{e}{_flag_hint(e, a)}")
+  try:
+    _report_end(s, summary)
+  except KeyboardInterrupt:  # Ctrl-C while the end is printed: the run is over and saved, nothing to stop
+    saved = f"; the model is saved in {cfg.ckpt_dir}" if cfg.ckpt_dir else ""
+    print(f"\nstopped by SIGINT after the run ended{saved}", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGINT)
+
+
+def _report_end(s: Start, summary: dict) -> None:
+  """Prints the end of a finished run (process 0): the sample, where the model is saved and how to sample from it,
+  and the summary_line last; names a fresh run's folder in RUNS/latest first, so that an interrupt while printing
+  loses nothing."""
+  cfg = s.cfg
   sampled, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
   if jax.process_index() != 0:
     return
-  print(metrics.dumps(summary))
+  if cfg.ckpt_dir and s.fresh:
+    write_latest(cfg.ckpt_dir)
   if sampled is not None:
     print(f"prompt (the start of the first validation text):\n{prompt}\nsample:\n{sampled}")
   if cfg.ckpt_dir:
-    if s.fresh:
-      write_latest(cfg.ckpt_dir)
     saved = "model saved in" if summary["final_loss"] is not None else "no step to train: the model was saved in"
     tokens = data.tokenizer(data.source(cfg.data))
     print(f"{saved} {cfg.ckpt_dir} (step {cfg.steps}); " + _sample_command(cfg.ckpt_dir, prompt, tokens))
+  print(summary_line(summary, cfg.metrics), flush=True)
 
 
 if __name__ == "__main__":

@@ -235,7 +235,8 @@ def finish_removal(directory: str, names: tuple[str, ...]) -> tuple[list[str], l
 
 
 LOCK_FILE = "attnlayers.lock"  # train.lock's LOCK_NAME: a run's lock file, left empty once it is released
-_STEP_NAME = (f"({STEP})({re.escape(SAVING)}.*|{re.escape(REMOVING)}(-\\d+)?|\\.corrupt-\\d+)?")  # what a step's folder is named
+# what a step's folder is named: `7`, `7.saving...`, `7.removing[-n]`, `7.corrupt-n`
+_STEP_NAME = f"({STEP})({re.escape(SAVING)}.*|{re.escape(REMOVING)}(-\\d+)?|\\.corrupt-\\d+)?"
 
 
 def holds_run(folder: str) -> bool:
