@@ -465,13 +465,15 @@ def model_line(preset: str, model: models.GPTConfig) -> str:
   window = (f", window {model.window}" + (f" ({model.window_pattern})" if model.window_pattern else "")
             if model.window else "")
   return (f"model: {preset}, {model.n_layer} layers, {model.n_head} heads{kv}, d_model {model.d_model}, seq_len "
-          f"{model.seq_len}, vocab {model.vocab_size}, attn {model.backend}, {model.dtype}"
+          f"{model.seq_len}, vocab {model.vocab_size}, attn {model.backend}"
+          f"{f' (fp8 core {model.fp8_core})' if model.backend == 'te-fp8' else ''}, {model.dtype}"
           f"{'' if model.bias else ', no bias'}{window}")
 
 
 def summary_line(summary: dict, metrics_path: str | None) -> str:
   """The run's end in one line: its losses, rates and size, and where the whole summary record is (--metrics)."""
-  parts = [f"{summary['steps']} steps"] if summary.get("steps") is not None else []
+  steps = summary.get("steps")
+  parts = [f"{steps} step{'' if steps == 1 else 's'}"] if steps is not None else []
   for key, name in (("final_loss", "loss"), ("final_val_loss", "val loss")):
     if summary.get(key) is not None:
       parts.append(f"{name} {float(summary[key]):.4f}")
