@@ -100,7 +100,8 @@ def parser() -> argparse.ArgumentParser:
   keep = p.add_mutually_exclusive_group()
   keep.add_argument("--ckpt-dir", type=_path("--no-ckpt trains without checkpoints, and leaving out --ckpt-dir "
                                               f"keeps them in a new folder in {RUNS}/"),
-                    help="save checkpoints here and resume from the newest intact one; default: a new "
+                    help="save checkpoints here and resume from the newest intact one: a new or empty folder, or "
+                         "one a run saved to (a folder of other files, or a step folder, is refused); default: a new "
                          f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
   keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
   p.add_argument("--ckpt-every", type=one, help="steps between checkpoints (the last step is always saved); default: "
