@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import attnlayers
 from train import flags
@@ -67,17 +68,19 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
   if backend == "te-fp8":
     cmd += ["--fp8-core", FP8_CORE]
     row["fp8_core"] = FP8_CORE
-  try:
-    with clocks.Sampler() as gpu:
-      proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                            timeout=timeout_s)
-  except subprocess.TimeoutExpired:
-    return row | {"status": "error", "reason": f"did not finish within --run-timeout {timeout_s:.0f} s"}
+  with tempfile.TemporaryDirectory() as tmp:  # the run's summary record is read from its --metrics file
+    try:
+      with clocks.Sampler() as gpu:
+        proc = subprocess.run([*cmd, "--metrics", os.path.join(tmp, "m.jsonl")], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      return row | {"status": "error", "reason": f"did not finish within --run-timeout {timeout_s:.0f} s"}
+    records = open(os.path.join(tmp, "m.jsonl")).read().splitlines() if proc.returncode == 0 else []
   if proc.returncode != 0:
     reason = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}"
     unavailable = "cannot run" in proc.stderr
     return row | {"status": "unavailable" if unavailable else "error", "reason": _reasons(proc.stderr) or reason}
-  s = metrics.loads([line for line in proc.stdout.splitlines() if line.startswith('{"event": "summary"')][-1])
+  s = metrics.loads([line for line in records if line.startswith('{"event": "summary"')][-1])
   model = models.preset(preset, seq_len=seq_len)
   per_token = models.flops_per_token(model, s["params_for_flops"], seq_len)
   model_flops = model_flop_rate(backend, s["tokens_per_s"], per_token)

@@ -69,7 +69,7 @@ def test_train_keeps_the_model_and_prints_the_command_that_samples_it(trained, c
   assert (work / cli.LATEST).read_text().strip() == run.name
   assert stepdirs.listing(str(run)).ours == (2, 4)
   assert "sample:\n" in printed
-  command = printed.strip().splitlines()[-1].strip()
+  command = printed.strip().splitlines()[-2].strip()  # the last line is the run's summary
   assert command.startswith(f"python -m sample --ckpt-dir {cli.RUNS}/{run.name} --prompt "), printed
   code, out, err = sample_main(shlex.split(command)[3:] + ["--tokens", "5"], capsys, cwd=work)  # as printed
   assert code == 0, err
@@ -269,7 +269,7 @@ def test_the_sample_command_after_gpt2_shards_says_it_needs_tiktoken_where_it_is
   cli.main([*flags, "--steps", "2"])
   printed = capsys.readouterr().out
   assert "sample:\ntoken ids: " in printed, printed
-  assert printed.strip().splitlines()[-2:] == [
+  assert printed.strip().splitlines()[-3:-1] == [  # before the run's summary
       f"model saved in {run} (step 2); sample from it (needs tiktoken: pip install tiktoken) with:",
       f"  python -m sample --ckpt-dir {run}"], printed
   with pytest.raises(SystemExit) as e:
@@ -330,7 +330,7 @@ def test_a_byte_model_with_a_larger_vocabulary_samples_as_bytes_as_the_trainer_d
             "--eval-every", "0", "--sample-tokens", "8", "--vocab-size", str(vocab), "--ckpt-dir", str(tmp_path / "run")])
   printed = capsys.readouterr().out
   assert f"vocab_size {vocab}: the data (python-stdlib) holds UTF-8 bytes, ids below 256" in printed
-  command = printed.strip().splitlines()[-1].strip()
+  command = printed.strip().splitlines()[-2].strip()  # the last line is the run's summary
   code, out, err = sample_main(shlex.split(command)[3:] + ["--tokens", "5"], capsys)
   assert code == 0, err
   assert "trained on python-stdlib (UTF-8 bytes)" in out

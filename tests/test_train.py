@@ -304,7 +304,7 @@ def test_settings_the_run_cannot_honour_are_announced_and_the_sample_shows_its_p
          "whole run, to 3/4 of the peak lr, and never decays" in out, out
   assert "sample_tokens 200: the end-of-run sample has 24 new tokens, what fits in the 32-token context after " \
          "its 8-token prompt" in out, out
-  assert out.index("warmup 5") < out.index('"event": "summary"')
+  assert out.index("warmup 5") < out.index("done: 3 steps")
   for warmup, notice in ((3, "warmup 3 is as long as the run (3 steps): the learning rate rises for the whole run, "
                               "to 3/4 of the peak lr, and never decays"),
                          (2, "warmup 2 ends at the last of 3 steps: the learning rate reaches its peak there and "

@@ -38,10 +38,9 @@ def test_a_refused_run_removes_only_a_metrics_file_it_created(tmp_path, refused,
 
 
 def test_a_refused_run_removes_the_lock_file_it_made_in_an_existing_folder(tmp_path, refused):
-  (tmp_path / "c").mkdir()
-  (tmp_path / "c" / "notes.txt").write_text("mine")
+  (tmp_path / "c").mkdir()  # empty: a folder holding other files is refused before the lock (test_train_paths)
   refused("--ckpt-dir", str(tmp_path / "c"))
-  assert os.listdir(tmp_path / "c") == ["notes.txt"]
+  assert os.listdir(tmp_path / "c") == []
   (tmp_path / "held").mkdir()
   (tmp_path / "held" / "attnlayers.lock").write_text("")  # an earlier run's: not this run's to remove
   refused("--ckpt-dir", str(tmp_path / "held"))

@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 
@@ -30,7 +31,8 @@ from attnlayers import spec
 from train.flags import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import checkpoint, config, data, hosts, lock, loop, metrics, overlap, report, signals, tokenizers, undo
+from train import (checkpoint, config, data, hosts, lock, loop, metrics, overlap, report, signals, stepdirs,
+                   tokenizers, undo)
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -39,6 +41,16 @@ SAMPLE_TOKENS = 200  # new tokens the end-of-run sample has by default, where th
 
 def _setting(text: str) -> str:
   return text.replace("-", "_")
+
+
+def _path(otherwise: str):
+  """argparse type of a path flag: refuses an empty one (an unset shell variable), which would otherwise run as if
+  the flag were not given; `otherwise` says what does what the empty path was taken for."""
+  def parse(text: str) -> str:
+    if not text:
+      raise argparse.ArgumentTypeError(f"an empty path (an unset variable?); {otherwise}")
+    return text
+  return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -81,14 +93,18 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (warm-up, then cosine decay)")
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
-  p.add_argument("--data", help="text file, folder of text (every file under it; no run folders of python -m train), "
-                                "or 'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed "
-                                "Python's standard library sources, read at run time (no download)")
+  p.add_argument("--data", type=_path("leave out --data to train on the default text"),
+                 help="text file, folder of text (every file under it; no run folders of python -m train), or "
+                      "'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed Python's "
+                      "standard library sources, read at run time (no download)")
   p.add_argument("--data-raw-bytes", action="store_true", help="train on --data files that are mostly not text "
                  "(executables, compressed or random bytes) as bytes; default: refuse them")
   keep = p.add_mutually_exclusive_group()
-  keep.add_argument("--ckpt-dir", help="save checkpoints here and resume from the newest intact one; default: a new "
-                                       f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
+  keep.add_argument("--ckpt-dir", type=_path("--no-ckpt trains without checkpoints, and leaving out --ckpt-dir "
+                                              f"keeps them in a new folder in {RUNS}/"),
+                    help="save checkpoints here and resume from the newest intact one: a new or empty folder, or "
+                         "one a run saved to (a folder of other files, or a step folder, is refused); default: a new "
+                         f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
   keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
   p.add_argument("--ckpt-every", type=one, help="steps between checkpoints (the last step is always saved); default: "
                  f"{config.TrainConfig.ckpt_every}")
@@ -100,7 +116,8 @@ def parser() -> argparse.ArgumentParser:
                  "them all")
   p.add_argument("--eval-every", type=zero, default=100, help="steps between validation losses; 0: none")
   p.add_argument("--log-every", type=one, default=10, help="steps between metrics records")
-  p.add_argument("--metrics", help="append JSON lines (per logged step, resumes, ...) to this file; default: none")
+  p.add_argument("--metrics", type=_path("leave out --metrics to write no metrics file"),
+                 help="append JSON lines (per logged step, resumes, ...) to this file; default: none")
   p.add_argument("--sample-tokens", type=zero, help="tokens to sample at the end, after a prompt from the validation "
                  f"text; at most three quarters of --seq-len fit (the prompt takes the rest); 0: none; default: "
                  f"{SAMPLE_TOKENS}, or as many as fit")
@@ -108,9 +125,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="hide the progress bar (shown by default)")
   first, last = config.PROFILE_WINDOW
-  p.add_argument("--profile-dir", help=f"write a profiler trace of the run's steps {first}-{last} here "
-                                       "(perfetto_trace.json.gz + xplane); default: none")
-  p.add_argument("--coordinator-address", help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
+  p.add_argument("--profile-dir", type=_path("leave out --profile-dir to write no trace"),
+                 help=f"write a profiler trace of the run's steps {first}-{last} here (perfetto_trace.json.gz + "
+                      "xplane); default: none")
+  p.add_argument("--coordinator-address", type=_path("leave out --coordinator-address for a run on one host"),
+                 help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
   p.add_argument("--num-processes", type=one, help="multi-host: how many processes")
   p.add_argument("--process-id", type=zero, help="multi-host: this process's index")
   return p
@@ -389,11 +408,34 @@ def _run_dir_made(s: Start) -> str | None:
   return None
 
 
+def _outputs_in_another_run(s: Start) -> str | None:
+  """Where an output path would land where this run has no business: --ckpt-dir a folder holding files but no
+  checkpointed run of this program, or any output in a step folder of a run (stepdirs.step_folder_at). A run writing
+  there would mix its files with the user's, or make that run's newest step look damaged."""
+  problems = []
+  for flag, path in (("--ckpt-dir", s.a.ckpt_dir), ("--metrics", s.a.metrics), ("--profile-dir", s.a.profile_dir)):
+    step = stepdirs.step_folder_at(path) if path else None
+    if step is not None:
+      run = os.path.dirname(step)
+      resume = f"--ckpt-dir {run} resumes that run, or give" if flag == "--ckpt-dir" else "give"
+      where = "is" if os.path.realpath(path) == step else "lies in"
+      problems.append(f"{flag} {path} {where} the step folder {step} of the checkpointed run in {run}: writing there "
+                      f"would damage that checkpoint; {resume} {flag} a path outside it")
+  ckpt = s.a.ckpt_dir
+  if not problems and ckpt and os.path.isdir(ckpt) and os.listdir(ckpt) and not stepdirs.holds_run(ckpt):
+    names = sorted(os.listdir(ckpt))
+    problems.append(f"--ckpt-dir {ckpt} holds files that are not a checkpointed run of python -m train "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): give a new or empty folder, or the "
+                    "folder a run saved its checkpoints to")
+  return "; ".join(problems) or None
+
+
 # Every refusal of the flags, in the order checked, each run once the checks above it passed: a function of the
 # Start that returns the message the run stops with (exit code 2), or None. The last two make the multi-host run's
 # connection and the run's folder, which the checks after them need, and nothing else is made before them.
 CHECKS = (
     lambda s: _checkpoint_flags(s.a),
+    _outputs_in_another_run,
     _built,
     _float16_off_a_gpu,
     _multihost_flags_apart,
@@ -419,10 +461,39 @@ def start(argv=None) -> Start:
   return s
 
 
+def model_line(preset: str, model: models.GPTConfig) -> str:
+  """The model in one line, as a person reads it at the start of a run (the metrics file's start record has every
+  field): the preset and the fields that set its size, speed and numerics."""
+  kv = f" ({model.n_kv_head} kv)" if model.n_kv_head not in (None, model.n_head) else ""
+  window = (f", window {model.window}" + (f" ({model.window_pattern})" if model.window_pattern else "")
+            if model.window else "")
+  return (f"model: {preset}, {model.n_layer} layers, {model.n_head} heads{kv}, d_model {model.d_model}, seq_len "
+          f"{model.seq_len}, vocab {model.vocab_size}, attn {model.backend}"
+          f"{f' (fp8 core {model.fp8_core})' if model.backend == 'te-fp8' else ''}, {model.dtype}"
+          f"{'' if model.bias else ', no bias'}{window}")
+
+
+def summary_line(summary: dict, metrics_path: str | None) -> str:
+  """The run's end in one line: its losses, rates and size, and where the whole summary record is (--metrics)."""
+  steps = summary.get("steps")
+  parts = [f"{steps} step{'' if steps == 1 else 's'}"] if steps is not None else []
+  for key, name in (("final_loss", "loss"), ("final_val_loss", "val loss")):
+    if summary.get(key) is not None:
+      parts.append(f"{name} {float(summary[key]):.4f}")
+  if summary.get("steps_per_s"):
+    parts.append(f"{summary['steps_per_s']:.3g} steps/s, {summary['tokens_per_s']:,.0f} tokens/s")
+  if summary.get("mfu") is not None:
+    parts.append(f"MFU {summary['mfu']:.1%}")
+  if summary.get("params") is not None:
+    parts.append(f"{summary['params']:,} parameters")
+  where = f"the full summary is in {metrics_path}" if metrics_path else "--metrics FILE keeps the full summary"
+  return f"done: {', '.join(parts)} ({where})"
+
+
 def main(argv=None) -> None:
   s = start(argv)
   a, model, cfg = s.a, s.model, s.cfg
-  print(f"{a.preset}: {model}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}",
+  print(f"{model_line(a.preset, model)}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}",
         flush=True)
   try:
     summary = loop.run(cfg, s.walk)
@@ -436,18 +507,31 @@ def main(argv=None) -> None:
     if s.fresh:  # made by fresh_run_dir: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
       _discard_if_unused(cfg.ckpt_dir, s.made)
     _refuse(f"{e}{_flag_hint(e, a)}")
+  try:
+    _report_end(s, summary)
+  except KeyboardInterrupt:  # Ctrl-C while the end is printed: the run is over and saved, nothing to stop
+    saved = f"; the model is saved in {cfg.ckpt_dir}" if cfg.ckpt_dir else ""
+    print(f"\nstopped by SIGINT after the run ended{saved}", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGINT)
+
+
+def _report_end(s: Start, summary: dict) -> None:
+  """Prints the end of a finished run (process 0): the sample, where the model is saved and how to sample from it,
+  and the summary_line last; names a fresh run's folder in RUNS/latest first, so that an interrupt while printing
+  loses nothing."""
+  cfg = s.cfg
   sampled, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
   if jax.process_index() != 0:
     return
-  print(metrics.dumps(summary))
+  if cfg.ckpt_dir and s.fresh:
+    write_latest(cfg.ckpt_dir)
   if sampled is not None:
     print(f"prompt (the start of the first validation text):\n{prompt}\nsample:\n{sampled}")
   if cfg.ckpt_dir:
-    if s.fresh:
-      write_latest(cfg.ckpt_dir)
     saved = "model saved in" if summary["final_loss"] is not None else "no step to train: the model was saved in"
     tokens = data.tokenizer(data.source(cfg.data))
     print(f"{saved} {cfg.ckpt_dir} (step {cfg.steps}); " + _sample_command(cfg.ckpt_dir, prompt, tokens))
+  print(summary_line(summary, cfg.metrics), flush=True)
 
 
 if __name__ == "__main__":

@@ -232,3 +232,35 @@ def finish_removal(directory: str, names: tuple[str, ...]) -> tuple[list[str], l
     shutil.rmtree(os.path.join(directory, name))
   os.remove(os.path.join(directory, REMOVAL_JOURNAL))
   return ours, [n for n in names if n not in ours]
+
+
+LOCK_FILE = "attnlayers.lock"  # train.lock's LOCK_NAME: a run's lock file, left empty once it is released
+# what a step's folder is named: `7`, `7.saving...`, `7.removing[-n]`, `7.corrupt-n`
+_STEP_NAME = f"({STEP})({re.escape(SAVING)}.*|{re.escape(REMOVING)}(-\\d+)?|\\.corrupt-\\d+)?"
+
+
+def holds_run(folder: str) -> bool:
+  """Whether the existing folder `folder` holds a checkpointed run of this program: a sealed step, the run's lock
+  file, a save or rotation journal, or a step folder a stopped save, a rotation or a set-aside left."""
+  names = os.listdir(folder)
+  if {LOCK_FILE, JOURNAL, REMOVAL_JOURNAL} & set(names):
+    return True
+  found = listing(folder)
+  return bool(found.ours or found.unfinished or found.removing) or any(
+      re.fullmatch(f"({STEP})\\.corrupt-\\d+", n) for n in names)
+
+
+def step_folder_at(path: str) -> str | None:
+  """The step folder of a checkpointed run that `path` is, or lies in (a file or folder, existing or not), else
+  None: a folder holding MANIFEST, or one named as a step (`7`, `7.saving`, `7.removing`, `7.corrupt-1`) in a folder
+  that holds_run. A run that wrote there would damage that step, or be read as part of it."""
+  path = os.path.realpath(path)
+  while True:
+    parent, name = os.path.split(path)
+    if os.path.isdir(path) and os.path.lexists(os.path.join(path, MANIFEST)):
+      return path
+    if re.fullmatch(_STEP_NAME, name) and os.path.isdir(parent) and holds_run(parent):
+      return path
+    if parent == path:
+      return None
+    path = parent

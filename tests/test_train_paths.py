@@ -1,0 +1,91 @@
+"""python -m train writes only where a run of its own lives, and an empty path never turns an output off (on CPU).
+
+Each refusal comes before any work: exit code 2, one line naming the flag, and nothing on disk changed.
+"""
+
+import os
+
+import pytest
+
+from train import cli, stepdirs
+
+TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "1", "--no-progress",
+        "--sample-tokens", "0", "--eval-every", "0"]
+
+
+@pytest.fixture
+def refused(tmp_path, capsys, monkeypatch):
+  """Runs python -m train with `args` (in tmp_path), expects exit code 2 and returns its stderr."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "d.txt").write_text("hello world\n" * 300)
+  def run(*args):
+    with pytest.raises(SystemExit) as e:
+      cli.main([*TINY, "--data", str(tmp_path / "d.txt"), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert not (tmp_path / cli.RUNS).exists()  # refused before the run's folder was made
+    return err
+  return run
+
+
+def a_run(folder):
+  """A checkpoint folder as python -m train leaves it: its lock file and a sealed step 3 (a manifest)."""
+  (folder / "3").mkdir(parents=True)
+  (folder / "3" / stepdirs.MANIFEST).write_text("{}")
+  (folder / "attnlayers.lock").write_text("")
+  return folder
+
+
+@pytest.mark.parametrize("flag", ["--ckpt-dir", "--metrics", "--profile-dir", "--data", "--coordinator-address"])
+def test_an_empty_path_is_refused_naming_its_flag(refused, flag):
+  err = refused(flag, "")
+  assert f"argument {flag}: an empty path" in err, err
+  if flag == "--ckpt-dir":
+    assert "--no-ckpt trains without checkpoints" in err, err
+
+
+def listing(folder):
+  return sorted(os.path.relpath(os.path.join(top, n), folder) for top, dirs, files in os.walk(folder)
+                for n in dirs + files)
+
+
+def test_a_step_folder_of_another_run_is_refused_as_ckpt_dir(tmp_path, refused):
+  run = a_run(tmp_path / "run")
+  before = listing(run)
+  err = refused("--ckpt-dir", str(run / "3"))
+  assert (f"--ckpt-dir {run / '3'} is the step folder {os.path.realpath(run / '3')} of the checkpointed run in "
+          f"{os.path.realpath(run)}" in err and f"--ckpt-dir {os.path.realpath(run)} resumes that run" in err), err
+  err = refused("--ckpt-dir", str(run / "3" / "inner"))
+  assert f"--ckpt-dir {run / '3' / 'inner'} lies in the step folder" in err, err
+  assert listing(run) == before
+
+
+def test_a_folder_of_other_files_is_refused_as_ckpt_dir(tmp_path, refused):
+  (tmp_path / "mine").mkdir()
+  (tmp_path / "mine" / "notes.txt").write_text("mine")
+  err = refused("--ckpt-dir", str(tmp_path / "mine"))
+  assert (f"--ckpt-dir {tmp_path / 'mine'} holds files that are not a checkpointed run of python -m train "
+          "(notes.txt)") in err, err
+  assert listing(tmp_path / "mine") == ["notes.txt"]  # no lock file made
+
+
+@pytest.mark.parametrize("flag,name", [("--metrics", "m.jsonl"), ("--profile-dir", "trace")])
+def test_an_output_inside_a_step_folder_is_refused(tmp_path, refused, flag, name):
+  run = a_run(tmp_path / "run")
+  before = listing(run)
+  err = refused("--no-ckpt", flag, str(run / "3" / name))
+  assert f"{flag} {run / '3' / name} lies in the step folder {os.path.realpath(run / '3')}" in err, err
+  assert listing(run) == before
+
+
+@pytest.mark.parametrize("folder", ["new", "empty", "run", "run-with-notes"])
+def test_a_new_or_empty_folder_or_one_holding_a_run_is_taken_as_ckpt_dir(tmp_path, folder):
+  path = tmp_path / folder
+  if folder == "empty":
+    path.mkdir()
+  if folder.startswith("run"):
+    a_run(path)
+  if folder == "run-with-notes":  # a person's notes beside a run's checkpoints do not make it another's folder
+    (path / "notes.txt").write_text("mine")
+  s = cli.Start(cli.parse(["--ckpt-dir", str(path), "--metrics", str(path / "m.jsonl")]))
+  assert cli._outputs_in_another_run(s) is None
