@@ -85,8 +85,8 @@ class Checkpoints:
       looks = stepdirs.holds_orbax_items(stepdirs.step_path(self.directory, step))
       _say(f"{stepdirs.step_path(self.directory, step)} has no {stepdirs.MANIFEST}: not a checkpoint this "
            "program wrote, so it is never restored nor deleted" + (
-               f" (it holds what orbax writes: an attnlayers from before {stepdirs.REMOVAL_JOURNAL} was kept left "
-               "an old step it was stopped deleting like this; delete it if it is one)" if looks else ""))
+               f" (it holds what orbax writes: it may be an old step that an older attnlayers, one without "
+               f"{stepdirs.REMOVAL_JOURNAL}, was stopped while deleting; delete it if it is one)" if looks else ""))
 
   def listing(self) -> stepdirs.Listing:
     return stepdirs.listing(self.directory)

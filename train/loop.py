@@ -109,8 +109,9 @@ def _resume_point(cfg: TrainConfig, ckpts, meta: dict) -> tuple[int, dict]:
     if paths:
       raise checkpoint.CheckpointError(
           f"{ckpts.directory} holds files or folders where this run would save steps, without {stepdirs.MANIFEST}: "
-          f"{', '.join(paths)}. Move them, or give another --ckpt-dir (a <step>.saving folder may be a save an "
-          "attnlayers from before attnlayers.saving was kept left stopped: delete it if it is one)")
+          f"{', '.join(paths)}. Move them, or give another --ckpt-dir (a <step>.saving folder without "
+          f"{stepdirs.JOURNAL} may be a save that an older attnlayers left when it was stopped: delete it if it "
+          "is one)")
   if step is None:
     return 0, {}
   if step > cfg.steps:  # before the settings' check, which would offer --allow-change steps for these --steps
