@@ -109,14 +109,7 @@ def latest_run() -> str:
   return path
 
 
-def _temperature(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-  if not (math.isfinite(value) and value >= 0):
-    raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text}")
-  return value
+_temperature = flags.float_above(0, inclusive=True, note=" (0 = greedy)")
 
 
 def _seed(text: str) -> int:

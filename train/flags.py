@@ -47,12 +47,19 @@ def int_at_least(low: int):
   return parse
 
 
-def positive_float(text: str) -> float:
-  """argparse type of a finite number > 0."""
-  try:
-    value = float(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-  if not (math.isfinite(value) and value > 0):
-    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-  return value
+def float_above(low: float, *, inclusive: bool = False, note: str = ""):
+  """argparse type of a finite number > low (>= low where inclusive); `note` follows the bound in the message."""
+  bound = f"{'>=' if inclusive else '>'} {low:g}{note}"
+
+  def parse(text: str) -> float:
+    try:
+      value = float(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+      raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+    return value
+  return parse
+
+
+positive_float = float_above(0)  # argparse type of a finite number > 0
