@@ -14,7 +14,7 @@ from flax import nnx
 import attnlayers
 from attnlayers.nnx import MultiHeadAttention
 from tests import cases, reference
-from tests.test_packing_core import check, packed
+from tests.test_packing_core import check, minus_inf_bias, packed
 
 pytestmark = pytest.mark.gpu
 needs_te = cases.needs_te
@@ -61,6 +61,15 @@ def test_a_row_the_mask_and_causality_empty_together_outputs_zero(backend):
   mask[1, 0, 5, :6] = False  # row 1, query 5: keys 0-5
   empty = check(backend, "GQA", is_causal=True, mask=jnp.asarray(mask), **BF16)
   assert empty[0, 0].all() and empty[1, 5].all() and empty.sum() == 2 * empty.shape[-1]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("backend", ["cudnn", pytest.param("te", marks=needs_te)])
+def test_a_row_a_minus_inf_bias_empties_outputs_zero(backend, causal):
+  """bias=jnp.where(mask, 0, -inf) reaches the kernels as a finite bias and a mask: a query whose keys are all at
+  -inf outputs 0 with zero gradients, not the NaN of a softmax over -inf scores."""
+  empty = check(backend, "GQA", is_causal=causal, bias=minus_inf_bias(3, 128, jnp.bfloat16), **BF16)
+  assert empty[1, 2].all(), "the bias empties row 1's query 2"
 
 
 def test_cudnn_window_runs_in_cudnn_with_its_band():

@@ -37,9 +37,10 @@ def packed(B: int, T: int, seed: int, *, padding_row: bool = True) -> np.ndarray
 
 def check(backend, heads, *, T=12, S=None, B=3, masked=False, is_causal=False, window=None, segment_ids=None,
           q_len=None, kv_len=None, alignment="top-left", seed=0, dtype=jnp.float32, head_dim=H, max_segments=None,
-          mask=None):
+          mask=None, bias=None):
   """Outputs and gradients against the reference; exact zeros for queries with no allowed key. Returns that
-  (B, T, N) bool. mask: the caller's, bool broadcastable to (B, N, T, S) (masked: a random one instead)."""
+  (B, T, N) bool. mask: the caller's, bool broadcastable to (B, N, T, S) (masked: a random one instead); bias:
+  an additive one, likewise."""
   S = T if S is None else S
   case = dict(heads=heads, causal=is_causal, masked=False, dtype=dtype)
   q, k, v, dout, _ = cases.inputs(case, B=B, T=T, S=S, H=head_dim, seed=seed)
@@ -52,13 +53,13 @@ def check(backend, heads, *, T=12, S=None, B=3, masked=False, is_causal=False, w
   def loss(q, k, v):
     out = attnlayers.attention(q, k, v, backend=backend, is_causal=is_causal, mask=mask, window=window,
                                segment_ids=seg, query_seq_lengths=i32(q_len), key_value_seq_lengths=i32(kv_len),
-                               causal_alignment=alignment, max_segments=max_segments)
+                               causal_alignment=alignment, max_segments=max_segments, bias=bias)
     return jnp.sum(out.astype(jnp.float32) * dout), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   rule = dict(mask=None if mask is None else np.asarray(mask), is_causal=is_causal, window=window,
               segment_ids=segment_ids, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
-              causal_alignment=alignment)
+              causal_alignment=alignment, bias=None if bias is None else np.asarray(bias, np.float64))
   qkv = [np.asarray(x, np.float64) for x in (q, k, v)]
   want, p = reference.forward(*qkv, **rule)
   what = f"{backend} {heads} T{T} S{S} causal={is_causal} window={window} segments={segment_ids is not None}"
@@ -252,6 +253,25 @@ def test_a_row_the_mask_and_the_rule_empty_together_outputs_zero(backend, rule):
   empty = check(backend, "GQA", T=8, B=2, mask=jnp.asarray(mask), **EMPTIED_TOGETHER[rule])
   assert empty[0, 0].all() or empty[0, 5].all(), f"{rule}: the case empties no row"
   assert mask[0, 0, 0].any() and mask[0, 0, 5].any()  # the mask alone empties none
+
+
+def minus_inf_bias(B: int, T: int, dtype=jnp.float32):
+  """(B, 1, T, T) bias=jnp.where(mask, 0, -inf): every key of row 1's query 2 at -inf, row 0's query 0 without
+  key 0 and query 5 without keys 5 and up, the rest 0 (rows EMPTIED_TOGETHER's rules empty with it)."""
+  mask = np.ones((B, 1, T, T), bool)
+  mask[0, 0, 0, 0] = False
+  mask[0, 0, 5, 5:] = False
+  mask[1, 0, 2] = False
+  return jnp.where(jnp.asarray(mask), 0.0, -jnp.inf).astype(dtype)
+
+
+@pytest.mark.parametrize("rule", ["alone"] + list(EMPTIED_TOGETHER))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_row_a_minus_inf_bias_empties_outputs_zero(backend, rule):
+  """An additive mask (bias=jnp.where(mask, 0, -inf), PyTorch's form) means what mask= means: a query it leaves
+  no key, alone or with the rule, outputs 0 with zero gradients, not the NaN of a softmax over -inf scores."""
+  empty = check(backend, "GQA", T=8, B=2, bias=minus_inf_bias(2, 8), **EMPTIED_TOGETHER.get(rule, {}))
+  assert empty[1, 2].all(), "the bias empties row 1's query 2 whatever the rule"
 
 
 def test_packed_layout_relabels_runs_and_flags_ids_it_cannot_hold():

@@ -2,8 +2,9 @@
 
 The rule (attnlayers.spec): query (b, t), at position p = t (or t + Sb - Tb bottom-right), may
 attend key s iff t < Tb, s < Sb, s <= p if causal, its segment id equals the key's and is not 0,
-p - left <= s <= p + right for a window, and the caller's mask. A query that is padding or that
-this rule leaves without a key outputs exactly 0, on every backend (`finish`), with zero gradients. Lengths outside
+p - left <= s <= p + right for a window, the caller's mask, and a bias that is not -inf there (an additive
+mask, bias=jnp.where(mask, 0, -inf), means what mask= means). A query that is padding or that this rule leaves
+without a key outputs exactly 0, on every backend (`finish`), with zero gradients. Lengths outside
 [0, T] / [0, S] and negative segment ids that were traced (so spec.describe could not reject them) make their row
 NaN rather than silently wrong.
 """
@@ -69,12 +70,33 @@ def segment_ids(call: Call):
   return jnp.asarray(call.q_segment_ids, jnp.int32), jnp.asarray(call.kv_segment_ids, jnp.int32)
 
 
+def _four_dims(x):
+  return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def caller_mask(call: Call):
+  """Bool broadcastable to (B, N, T, S): the caller's mask and the keys the bias sets to -inf; None if the call
+  has neither mask nor bias. (A NaN in the bias is not -inf: it stays in the scores.)"""
+  mask = None if call.mask is None else _four_dims(call.mask)
+  if call.bias is None:
+    return mask
+  finite = ~jnp.isneginf(_four_dims(call.bias))
+  return finite if mask is None else mask & finite
+
+
+def finite_bias(call: Call):
+  """The bias with 0 where it is -inf (caller_mask removes those keys), for kernels that add a mask to it as a
+  large negative number: -inf plus that stays -inf, and a row of -inf is NaN in their softmax. None: no bias."""
+  if call.bias is None:
+    return None
+  return jnp.where(jnp.isneginf(call.bias), jnp.zeros((), call.bias.dtype), call.bias)
+
+
 def allowed(call: Call):
-  """Bool broadcastable to (B, N, T, S): structural() and the caller's mask; None if everything."""
-  keep = structural(call)
-  if call.mask is None:
+  """Bool broadcastable to (B, N, T, S): structural() and caller_mask(); None if everything."""
+  keep, mask = structural(call), caller_mask(call)
+  if mask is None:
     return keep
-  mask = call.mask.reshape((1,) * (4 - call.mask.ndim) + call.mask.shape)
   return mask if keep is None else keep & mask
 
 
@@ -103,9 +125,10 @@ def finish(out, call: Call):
   valid = rows(call)
   if valid is not None:
     valid = valid[:, :, None, None]  # (B, T, 1, 1)
-  if call.mask is not None:  # a query the mask leaves no key the rule allows (or none at all): zeros too, not the
-    # uniform average over every key, future ones included, that the kernels' softmax of equal scores gives
-    keep = allowed(call)  # (B|1, N|1, T|1, S|1): the rule and the mask together
+  if call.mask is not None or call.bias is not None:  # a query the mask (or a -inf bias) leaves no key the rule
+    # allows: zeros too, not the uniform average over every key, future ones included, that the kernels' softmax
+    # of equal scores gives
+    keep = allowed(call)  # (B|1, N|1, T|1, S|1): the rule, the mask and the bias's -inf together
     some = jnp.any(keep, axis=-1).transpose(0, 2, 1)[..., None]  # (B|1, T|1, N|1, 1)
     valid = some if valid is None else valid & some
   if valid is not None:

@@ -93,8 +93,8 @@ def decide(call: Call) -> Decision:
     return Decision("rule", causal=False, window=None, forward_only=False, finish=True)
   window = None if call.window is None else (call.window[0], 0)  # causal (unmet): the right side is cut at p
   if not call.has_lengths and not call.bottom_right:
-    return Decision("native", call.is_causal, window, forward_only=False,
-                    finish=call.mask is not None or window is not None)  # rows the mask or window empties: zeros
+    return Decision("native", call.is_causal, window, forward_only=False,  # rows the mask, a -inf bias or the
+                    finish=user or window is not None)  # window empties: zeros
   # bottom-right here is one query (T == 1), which sees every real key: the padding mask alone
   return Decision("lengths", call.is_causal and not call.bottom_right, window, forward_only=call.T == 1, finish=True)
 
@@ -119,12 +119,13 @@ def _full_ts(x, T: int, S: int):
 
 def run(q, k, v, call: Call, decision: Decision):
   T, S = call.T, call.S
-  bias = None if call.bias is None else _full_ts(call.bias, T, S).astype(q.dtype)
+  bias = None if call.bias is None else _full_ts(_masks.finite_bias(call), T, S).astype(q.dtype)  # -inf: in the mask
   if decision.masks == "rule":
     out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=_full_ts(_masks.allowed(call), T, S),
                                        scale=call.scale, implementation="cudnn")
   elif decision.masks == "native":
-    mask = None if call.mask is None else _full_ts(call.mask, T, S)
+    mask = _masks.caller_mask(call)
+    mask = None if mask is None else _full_ts(mask, T, S)
     out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=call.scale, is_causal=decision.causal,
                                        local_window_size=decision.window, implementation="cudnn")
   else:

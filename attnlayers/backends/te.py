@@ -154,7 +154,8 @@ def run(q, k, v, call: Call, decision: Decision):
   # A row with no queries or no keys gets length 1 here: TE's backward gives NaN dk for such rows. finish()
   # zeroes that row's outputs, so its gradients are exactly zero as the rule says.
   lengths = te.SequenceDescriptor.from_seqlens(tuple(jnp.maximum(x, 1) for x in _masks.lengths(call)))
-  bias = _as_bias(call.mask, call.bias, call.N, call.T, call.S, q.dtype) if decision.bias else None  # (1|B, N, T, S)
+  bias = (_as_bias(_masks.caller_mask(call), _masks.finite_bias(call), call.N, call.T, call.S, q.dtype)
+          if decision.bias else None)  # (1|B, N, T, S); the bias's -inf keys as masked ones
   out = te.fused_attn((q, k, v), bias, lengths, None, attn_bias_type=_bias_type(te, decision.bias),
                       qkv_layout=te.QKVLayout.BSHD_BSHD_BSHD, **args)
   return _masks.finish(out, call)

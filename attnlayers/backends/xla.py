@@ -45,9 +45,10 @@ def unmet(call: Call) -> list[str]:
 
 def run(q, k, v, call: Call, decision=None):
   if _masks.plain(call):  # top-left causality and the mask as jax takes them
-    out = jax.nn.dot_product_attention(q, k, v, bias=call.bias, mask=call.mask, scale=call.scale,
+    mask = _masks.caller_mask(call)  # with the bias's -inf keys: a row of them is not NaN
+    out = jax.nn.dot_product_attention(q, k, v, bias=call.bias, mask=mask, scale=call.scale,
                                        is_causal=call.is_causal, implementation="xla")
-    return out if call.mask is None else _masks.finish(out, call)  # rows the mask empties: zeros
+    return out if mask is None else _masks.finish(out, call)  # rows the mask or bias empties: zeros
   out = jax.nn.dot_product_attention(q, k, v, bias=call.bias, mask=_masks.allowed(call), scale=call.scale,
                                      implementation="xla")  # lengths, causality, segments, window: one mask
   return _masks.finish(out, call)
