@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import attnlayers
-from attnlayers import backends
+from attnlayers import backends, device
 
 
 FUSED = re.compile(r'custom_call_target="([^"]*(?:fmha|fused_attn|FusedAttn)[^"]*)"')
@@ -103,6 +103,11 @@ def main(argv=None) -> None:
   except ValueError as e:
     p.error(f"these flags make a call attnlayers refuses (B --batch, T and S --seq-len, N --heads, K --kv-heads, "
             f"H --head-dim): {e}")
+  need, available = 3 * 8 * a.batch * a.heads * a.seq_len**2, device.host_memory()  # reference()'s peak
+  if available is not None and need > available:
+    p.error(f"the float64 reference of this call needs about {device.size(need)} of host memory (three (B, N, T, S) "
+            f"float64 arrays at once), and this machine has {device.size(available)} available: lower --seq-len "
+            "(T = S), --batch or --heads")
   q, k, v = inputs(a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim, a.dtype)
   print(f"jax {jax.__version__} on {jax.devices()[0]}; q {q.shape} k/v {k.shape} {a.dtype} causal={a.causal}; "
         "reference: float64 numpy (attnlayers.__main__.reference)")
@@ -114,7 +119,15 @@ def main(argv=None) -> None:
       for reason in plan.unmet[name]:
         print(f"{'':>9}- {reason}")
       continue
-    out = np.asarray(attnlayers.attention(q, k, v, backend=name, is_causal=a.causal).astype(jnp.float32), np.float64)
+    try:
+      out = np.asarray(attnlayers.attention(q, k, v, backend=name, is_causal=a.causal).astype(jnp.float32),
+                       np.float64)
+    except jax.errors.JaxRuntimeError as e:
+      if (oom := device.out_of_memory(e)) is None:
+        raise
+      naive = " (it builds the (B, N, T, S) scores)" if plan.chosen == "naive" else ""
+      print(f"{name:>7}  {oom}{naive}: lower --seq-len, --batch or --heads")
+      continue
     ran = f" (ran {plan.chosen})" if name == backends.AUTO else ""
     print(f"{name:>7}  ok{ran}  max|out - float64| = {float(np.abs(out - ref).max()):.3g}")
     for note in plan.notes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import re
 
 import jax
 
@@ -108,3 +109,55 @@ def has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
   except (ImportError, ValueError):
     return False
+
+
+_ASKED = (re.compile(r"\((\d+)\s*B\)"), re.compile(r"(\d+)\s*bytes"),  # XLA's and its allocators' wordings
+          re.compile(r"([\d.]+)\s*([KMGT])iB"))
+
+
+def size(nbytes: float) -> str:
+  """`nbytes` for a person: "512 B", "3.2 MiB", "1.16 TiB"."""
+  for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if nbytes >= scale:
+      return f"{nbytes / scale:.3g} {unit}"
+  return f"{nbytes:.0f} B"
+
+
+def _asked(message: str) -> float | None:
+  """Bytes of the failed allocation, where XLA's message says."""
+  for pattern in _ASKED:
+    if m := pattern.search(message):
+      return float(m.group(1)) * (2 ** (10 * "KMGT".index(m.group(2)) + 10) if m.lastindex == 2 else 1)
+  return None
+
+
+def host_memory(field: str = "MemAvailable") -> int | None:
+  """Bytes of this machine's memory, as /proc/meminfo's `field` (MemAvailable: what a new allocation can have
+  without swapping; MemTotal: all of it); None where there is no /proc/meminfo."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        name, value = line.split(":", 1)
+        if name == field:
+          return int(value.split()[0]) * 1024  # kB
+  except (OSError, ValueError):
+    pass
+  return None
+
+
+def out_of_memory(error: BaseException, device=None) -> str | None:
+  """What ran out, in words, where `error` is JAX's report that an allocation failed (XLA's RESOURCE_EXHAUSTED) on
+  `device` (default: where uncommitted work runs); None for any other error. Callers add which of their settings
+  to lower.
+
+  Returns e.g. "out of memory on gpu (NVIDIA H200, compute capability 9.0): 25 GiB asked, 140 GiB in all"."""
+  message = str(error)
+  if not isinstance(error, jax.errors.JaxRuntimeError) or "RESOURCE_EXHAUSTED" not in message or \
+      not re.search(r"memory|allocat", message, re.I):
+    return None
+  device = _default_device() if device is None else device
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  limit = stats and stats.get("bytes_limit") or (host_memory("MemTotal") if device.platform == "cpu" else None)
+  asked = _asked(message)
+  what = f"{size(asked)} asked" if asked is not None else "XLA does not say how much was asked"
+  return f"out of memory on {info(device).describe()}: {what}" + (f", {size(limit)} in all" if limit else "")

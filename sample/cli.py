@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 import attnlayers
+from attnlayers import device
 import models
 from attnlayers.fp8 import FP8Meta
 from models.generate import SEEDS, Sampling, generate
@@ -226,3 +227,8 @@ def main(argv=None) -> None:
               "model was trained in (python -m train --dtype)")
     print(f"error: {e}{hint}", file=sys.stderr)
     sys.exit(2)
+  except jax.errors.JaxRuntimeError as e:
+    if (oom := device.out_of_memory(e)) is None:
+      raise
+    print(f"error: {oom}; lower --batch (the samples drawn together) or --tokens", file=sys.stderr)
+    sys.exit(1)

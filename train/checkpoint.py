@@ -27,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models.config import layer_kinds
-from train import data, hosts, lock, stepdirs, undo
+from train import data, diskspace, hosts, lock, stepdirs, undo
 from train.reader import CheckpointError, Reader, say as _say
 
 
@@ -101,13 +101,29 @@ class Checkpoints:
                  meta=ocp.args.JsonSave(meta | {"step": step}))
     if state.get("fp8"):
       items["fp8"] = ocp.args.StandardSave(state["fp8"])
+    self.check_room(step, state)
     self.saved = True
-    if jax.process_index() == 0:
-      stepdirs.begin(self.directory, step)  # a save stopped from here on is known to be ours
-    self.checkpointer.save(stepdirs.saving_path(self.directory, step), args=ocp.args.Composite(**items), force=True)
-    # process 0 seals and rotates; the others wait for it, and stop with its error where it fails
-    hosts.on_process_0(lambda: self._seal(step), errors=(CheckpointError,), default=CheckpointError)
+    try:
+      with diskspace.quiet_when_full():
+        if jax.process_index() == 0:
+          stepdirs.begin(self.directory, step)  # a save stopped from here on is known to be ours
+        self.checkpointer.save(stepdirs.saving_path(self.directory, step), args=ocp.args.Composite(**items),
+                               force=True)
+        # process 0 seals and rotates; the others wait for it, and stop with its error where it fails
+        hosts.on_process_0(lambda: self._seal(step), errors=(CheckpointError,), default=CheckpointError)
+    except Exception as e:
+      if not diskspace.is_disk_full(e):
+        raise
+      if jax.process_index() == 0:  # the partial folder: what it holds is of no use, and the disk needs the room
+        stepdirs.remove_unfinished(self.directory, self.listing().unfinished)
+      raise diskspace.full_while_saving(self.directory, step, self.last_good) from None
     self.last_good = step
+
+  def check_room(self, step: int, state: dict) -> None:
+    """Raises diskspace.DiskFull, on every process, where the folder's disk cannot hold `state` saved as `step`."""
+    need = diskspace.state_bytes(state)
+    hosts.on_process_0(lambda: diskspace.check_room(self.directory, step, need, self.last_good),
+                       errors=(diskspace.DiskFull,), default=CheckpointError)
 
   def _seal(self, step: int) -> None:
     stepdirs.finish(self.directory, step)

@@ -27,12 +27,12 @@ import time
 import jax
 
 import attnlayers
-from attnlayers import spec
+from attnlayers import device, spec
 from train.flags import Help, Parser, int_at_least, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import (checkpoint, config, data, hosts, lock, loop, metrics, overlap, report, signals, stepdirs,
-                   tokenizers, undo)
+from train import (checkpoint, config, data, diskspace, hosts, lock, loop, metrics, overlap, report, signals,
+                   stepdirs, tokenizers, undo)
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
 LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
@@ -448,8 +448,20 @@ CHECKS = (
 
 def _refuse(message: str) -> None:
   """Ends a refused run: 'error: ' and the message on stderr, exit code 2."""
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(2)
+  _fail(message, 2)
+
+
+def _fail(message: str, code: int = 1) -> None:
+  """Ends a run that failed (or, code 2, was refused): 'error: ' and the message on stderr."""
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def memory_hint(backend: str) -> str:
+  """What lowers a training step's memory, after device.out_of_memory's line."""
+  naive = (" (--attn naive builds the (B, N, T, T) attention scores; --attn auto, cudnn or te do not)"
+           if backend == "naive" else "")
+  return f"; lower --batch-size, --seq-len or --vocab-size{naive}"
 
 
 def start(argv=None) -> Start:
@@ -502,11 +514,19 @@ def main(argv=None) -> None:
       e.removed += _discard_if_unused(cfg.ckpt_dir, s.made)
     print(e.report(), file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
+  except diskspace.DiskFull as e:  # what is saved stays; the run's folder is kept for the resume
+    _fail(str(e))
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
     if s.fresh:  # made by fresh_run_dir: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
       _discard_if_unused(cfg.ckpt_dir, s.made)
     _refuse(f"{e}{_flag_hint(e, a)}")
+  except jax.errors.JaxRuntimeError as e:
+    if (oom := device.out_of_memory(e)) is None:
+      raise
+    if s.fresh:
+      _discard_if_unused(cfg.ckpt_dir, s.made)
+    _fail(oom + memory_hint(model.backend))
   try:
     _report_end(s, summary)
   except KeyboardInterrupt:  # Ctrl-C while the end is printed: the run is over and saved, nothing to stop

@@ -371,6 +371,9 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
       for k, c in changes.items():  # said once the restore, which can still refuse, is done
         name = "data: content " if k == "data_content" else f"{k}: "  # data_content: --allow-change data
         print(f"--allow-change {name}{c['from']!r} in the checkpoint, {c['to']!r} from now on", flush=True)
+    if ckpts and start < cfg.steps:  # a disk that cannot hold the next save stops the run before it trains
+      ckpts.check_room(min(cfg.steps, (start // cfg.ckpt_every + 1) * cfg.ckpt_every), state)
+    if start:
       out.write({"event": "resume", "step": start, "ckpt_dir": ckpts.directory, "changed": changes})
     # the first records, once nothing can refuse the run any more: a refused run writes none
     out.write({"event": "start", "from_step": start, "steps": cfg.steps, "batch_size": cfg.batch_size,
