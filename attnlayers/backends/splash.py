@@ -1,20 +1,18 @@
 """Splash attention: JAX's Pallas kernels for TPU (`jax.experimental.pallas.ops.tpu.splash_attention`).
 
-Flash attention in blocks, forward and backward, that skips the blocks its mask leaves empty. The kernel's
-mask is built from structure on the host (numpy) and made into block tables once per shape and mask
-(`_kernel`, cached), so it holds only what one offset for every row expresses: causality, top-left or
-bottom-right at S - T, and a window (left, right) at that offset. Segment ids and lengths reach the kernel
-as its segment ids, which it compares per element: a padding query (id 0 or past its row's length) gets id
--1, a padding key -2, so neither equals anything real; `_masks.finish` then zeroes the queries the rule
-leaves with no key (the kernel gives them an average of values, or NaN where a whole query block has no
-key block) and so their gradients.
+Flash attention in blocks, forward and backward, skipping the blocks its mask leaves empty. That mask is
+structure, made into block tables on the host (numpy) once per shape and mask (`_kernel`, cached): what one
+offset for every row expresses, causality (top-left, or bottom-right at S - T) and a window (left, right).
+Segment ids and lengths reach the kernel as its segment ids, compared per element: a padding query (id 0,
+or past its row's length) gets -1, a padding key -2, equal to nothing real. `_masks.finish` zeroes the
+queries left with no key (the kernel gives them an average of values, or NaN for a query block with no key
+block), and so their gradients. The kernel does not scale q: run() scales it in float32, rounding once.
+The K key/value heads go in as they are, each serving N // K query heads (no repeated K/V), one batch row
+per kernel call (vmapped over B).
 
-The kernel does not scale q: run() scales it in float32 and rounds once. The K key/value heads go in as
-they are, each serving N // K query heads (GQA and MQA with no repeated K/V), one batch row per kernel call
-(vmapped over B). Requirements, read from the kernel (`unmet`): a TPU; bfloat16 q/k/v; T and S multiples
-of 128, the lane width every block size must be a multiple of (BLOCKS divides T and S); no array mask or
-bias (the mask is structure, not data), no dropout, weights or non-default precision; per-row lengths only
-without bottom-right causality (whose offset differs per row). Any head dim: the kernel pads its lanes.
+What the kernel needs (`unmet`): a TPU; bfloat16 q/k/v; T and S multiples of LANES, which every block size
+is; its mask from structure, so no mask= or bias= array, and bottom-right causality only without per-row
+lengths (their offset differs per row); no dropout, weights or precision. Any head dim: it pads its lanes.
 """
 
 from __future__ import annotations
