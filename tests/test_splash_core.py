@@ -21,6 +21,7 @@ from tests import cases, reference
 from tests.test_packing_core import check, packed
 
 BF16 = jnp.bfloat16
+CPU = device_lib.DeviceInfo("cpu", "cpu", None, None)  # what a call on a CPU sees, on any machine
 
 
 @pytest.fixture
@@ -91,7 +92,8 @@ def test_auto_picks_splash_for_bfloat16_where_it_runs(interpreted, monkeypatch):
   assert plan.chosen == "splash" and "first of cudnn, splash, xla, naive" in str(plan), str(plan)
   plan = attnlayers.explain("auto", x, x, x, is_causal=True, bias=jnp.zeros((256, 256), BF16))
   assert plan.chosen == "xla" and "takes no mask= or bias= array" in str(plan), str(plan)
-  monkeypatch.setattr(splash, "_INTERPRET", False)  # a CPU, as it is
+  monkeypatch.setattr(splash, "_INTERPRET", False)
+  monkeypatch.setattr(device_lib, "of", lambda *arrays: CPU)
   plan = attnlayers.explain("auto", x, x, x, is_causal=True)
   assert plan.chosen == "xla" and any("device is cpu" in r for r in plan.unmet["splash"]), str(plan)
 
@@ -129,7 +131,8 @@ def test_refuses_what_it_cannot_run_with_the_reason(interpreted, name):
   assert len(plan.unmet["splash"]) == 1, str(plan)  # that reason alone
 
 
-def test_refuses_off_a_tpu_and_attention_raises():
+def test_refuses_off_a_tpu_and_attention_raises(monkeypatch):
+  monkeypatch.setattr(device_lib, "of", lambda *arrays: CPU)
   x = jnp.zeros((1, 128, 2, 64), BF16)
   with pytest.raises(attnlayers.BackendUnavailableError, match="Pallas kernels for TPU; the call's device is cpu"):
     attnlayers.attention(x, x, x, backend="splash")
