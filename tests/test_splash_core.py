@@ -80,6 +80,17 @@ def test_plan_names_the_blocks_and_the_mask(interpreted):
   assert "splash blocks: q 128, kv 128" in str(plan) and "window (left, right) = (64, 0) at offset 128" in str(plan)
 
 
+@pytest.mark.parametrize("causal, window, mask", [
+    (False, None, ("full", None)), (True, None, ("causal", None)), (False, (10**6, 10**6), ("full", None)),
+    (True, (10**6, 5), ("causal", None)), (False, (10**6, 0), ("causal", None)), (True, (7, 5), ("local", (7, 0))),
+    (False, (7, 10**6), ("local", (7, None)))])
+def test_the_kernel_mask_of_causality_and_windows(interpreted, causal, window, mask):
+  """A side of the window that reaches every key is no bound; with causality the right side is cut at p."""
+  x = jax.ShapeDtypeStruct((1, 256, 2, 64), BF16)
+  d = attnlayers.explain("splash", x, x, x, is_causal=causal, window=window).decision
+  assert (d.mask, d.window) == mask
+
+
 def test_the_block_table_takes_the_largest_block_that_divides():
   assert splash.blocks(1024, 4096) == splash.Blocks(1024, 1024, 1024, splash.FUSED_BACKWARD)
   assert splash.blocks(384, 640) == splash.Blocks(128, 128, 128, splash.FUSED_BACKWARD)

@@ -82,10 +82,10 @@ def decide(call: Call) -> Decision:
   side = lambda n: None if n is None or n >= reach else n
   left, right = (None, None) if call.window is None else call.window
   left, right = side(left), 0 if call.is_causal else side(right)
-  mask, window = ("full", None) if (left, right) == (None, None) else ("causal", None) if (left, right) == (None, 0) \
-      else ("local", (left, right))
-  return Decision(mask, call.S - call.T if call.bottom_right else 0, window, call.segments or call.has_lengths,
-                  blocks(call.T, call.S), _INTERPRET)
+  kinds = {(None, None): "full", (None, 0): "causal"}  # the windows that are another mask
+  mask = kinds.get((left, right), "local")
+  return Decision(mask, call.S - call.T if call.bottom_right else 0, (left, right) if mask == "local" else None,
+                  call.segments or call.has_lengths, blocks(call.T, call.S), _INTERPRET)
 
 
 @functools.cache
