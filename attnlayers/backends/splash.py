@@ -33,12 +33,13 @@ MIN_CC = None  # no NVIDIA GPU: unmet() asks for a TPU
 
 LANES = 128  # every block size is a multiple of this, so T and S must be
 
-# The block table, chosen by measurement on a TPU v5e (benchmarks.layer): each block is the largest of its
-# candidates that divides the length it tiles (T for query blocks, S for key blocks).
+# The block table, chosen by measurement on a TPU v5e (benchmarks/splash_blocks.py; its results are in
+# benchmarks/results/tpu-v5e/): each block is the largest of its candidates that divides the length it tiles (T for
+# query blocks, S for key blocks). 2048 does not fit the kernels' VMEM there.
 Q_BLOCKS = (1024, 512, 256, 128)  # queries per block, forward and backward
 KV_BLOCKS = (1024, 512, 256, 128)  # keys per block, forward and backward
 KV_COMPUTE_BLOCKS = (1024, 512, 256, 128)  # keys per inner step of a key block (dividing it)
-FUSED_BACKWARD = False  # dq inside the dk/dv kernel rather than a kernel of its own
+FUSED_BACKWARD = True  # dq inside the dk/dv kernel rather than a kernel of its own
 
 # Private: tests set this (with pytest's monkeypatch) to run the kernels in Pallas's interpreter on any device,
 # a CPU included, where unmet() would refuse them. Slow; nothing in attnlayers sets it.
