@@ -52,7 +52,7 @@ def test_layer_quick_writes_json_csv_markdown_and_plots(tmp_path):
     assert r["vs_matmul"] == pytest.approx(r["tflops"] / matmul, rel=1e-9)
   not_ok = [r for r in rows if r["status"] != "ok"]
   assert not_ok and all(r["reason"] for r in not_ok)  # on CPU cudnn/te/te-fp8 rows say why they cannot run
-  assert {r["backend"] for r in rows} == {"naive", "xla", "cudnn", "te", "te-fp8", "cudnn-raw", "te-raw"}
+  assert {r["backend"] for r in rows} == {"naive", "xla", "cudnn", "te", "te-fp8", "splash", "cudnn-raw", "te-raw"}
   default = {(r["level"], r["backend"], r["dtype"]): r for r in rows
              if r["section"] == "default" and r["pass"] == "fwd" and r["status"] == "ok"}
   assert "max_abs_diff_vs_naive_f32" not in default[("core", "naive", "float32")]  # the reference is not compared with itself

@@ -76,7 +76,7 @@ def test_plan_names_the_blocks_and_the_mask(interpreted):
   plan = attnlayers.explain("splash", q, kv, kv, is_causal=True, causal_alignment="bottom-right", window=(64, 0),
                             segment_ids=(jnp.ones((2, 256), jnp.int32),
                                                                  jnp.ones((2, 384), jnp.int32)))
-  assert plan.decision.blocks == splash.Blocks(128, 128, 128, False) and plan.decision.offset == 128, plan
+  assert plan.decision.blocks == splash.Blocks(128, 128, 128, splash.FUSED_BACKWARD) and plan.decision.offset == 128, plan
   assert "splash blocks: q 128, kv 128" in str(plan) and "window (left, right) = (64, 0) at offset 128" in str(plan)
 
 
