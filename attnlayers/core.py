@@ -85,8 +85,8 @@ def attention(
   Args:
     q: queries (B, T, N, H); k, v: keys and values (B, S, K, H) with N % K == 0
       (K == N multi-head, 1 < K < N grouped-query, K == 1 multi-query attention).
-    backend: one of `attnlayers.BACKENDS` ("auto" picks the first of cudnn, xla, naive
-      that can run the call; any other name runs that kernel or raises
+    backend: one of `attnlayers.BACKENDS` ("auto" picks the first of cudnn, splash, xla,
+      naive that can run the call; any other name runs that kernel or raises
       BackendUnavailableError listing every unmet requirement; never a silent fallback).
     is_causal: query i attends keys j <= i (top-left aligned when T != S). A bool.
     mask: boolean, broadcastable to (B, N, T, S); True = may attend. Combined with is_causal.

@@ -36,7 +36,7 @@ from attnlayers.nnx import MultiHeadAttention
 from benchmarks import common, flops, packing, report, wrapper
 
 BACKEND_DTYPES = [("naive", "bfloat16"), ("xla", "bfloat16"), ("cudnn", "bfloat16"), ("te", "bfloat16"),
-                  ("te-fp8", "bfloat16")]
+                  ("te-fp8", "bfloat16"), ("splash", "bfloat16")]
 # The kernels called directly, without attnlayers around them: the yardstick for the wrapper's cost.
 RAW = {f"{name}-raw": (name, kernel) for name, kernel in wrapper.RAW.items()}
 NAIVE_LIMIT_BYTES = 16 * 2**30  # naive materialises (B, N, T, S) float32 scores; larger rows are skipped

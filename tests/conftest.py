@@ -37,7 +37,10 @@ def _unused_nvidia_gpus() -> list[str]:
 
 
 def pytest_runtest_setup(item):
-  """gpu tests skip where there is no NVIDIA GPU, and fail where one is present but jax cannot use it."""
+  """gpu tests skip where there is no NVIDIA GPU, and fail where one is present but jax cannot use it; tpu tests
+  skip where jax runs on no TPU."""
+  if "tpu" in item.keywords and jax.default_backend() != "tpu":
+    pytest.skip(f"needs a TPU; jax's default backend here is {jax.default_backend()!r}")
   if "gpu" not in item.keywords or jax.default_backend() == "gpu":
     return
   unused = _unused_nvidia_gpus()

@@ -52,7 +52,7 @@ def test_layer_quick_writes_json_csv_markdown_and_plots(tmp_path):
     assert r["vs_matmul"] == pytest.approx(r["tflops"] / matmul, rel=1e-9)
   not_ok = [r for r in rows if r["status"] != "ok"]
   assert not_ok and all(r["reason"] for r in not_ok)  # on CPU cudnn/te/te-fp8 rows say why they cannot run
-  assert {r["backend"] for r in rows} == {"naive", "xla", "cudnn", "te", "te-fp8", "cudnn-raw", "te-raw"}
+  assert {r["backend"] for r in rows} == {"naive", "xla", "cudnn", "te", "te-fp8", "splash", "cudnn-raw", "te-raw"}
   default = {(r["level"], r["backend"], r["dtype"]): r for r in rows
              if r["section"] == "default" and r["pass"] == "fwd" and r["status"] == "ok"}
   assert "max_abs_diff_vs_naive_f32" not in default[("core", "naive", "float32")]  # the reference is not compared with itself
@@ -161,12 +161,26 @@ def test_a_training_rate_above_the_devices_peak_stops_the_benchmark(monkeypatch)
 @pytest.mark.parametrize("kind, tflops", [
     ("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA GH200 480GB", 989), ("NVIDIA H100 PCIe", 756),
     ("NVIDIA H100 NVL", 835), ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA L40S", 362),
-    ("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA A10", 125), ("NVIDIA A10G", None), ("NVIDIA H800", None)])
+    ("NVIDIA L40", 181), ("NVIDIA L4", 121), ("NVIDIA A10", 125), ("NVIDIA A10G", None), ("NVIDIA H800", None),
+    ("TPU v5 lite", 197), ("TPU v4", None)])
 def test_each_device_gets_its_own_boards_dense_peak(kind, tflops):
   """By whole model name: a substring match read an L40 as an L4 (a true rate above 121 TFLOP/s then stopped the
   benchmark as impossible, and MFU was 1.5x too high), an A10G as an A10, an H100 PCIe as the SXM board."""
   from train import metrics
   assert metrics.peak_for(kind) == (tflops and tflops * 1e12)
+
+
+def test_a_tpu_v5e_gets_its_datasheet_peak_and_the_summary_says_so(monkeypatch):
+  """MFU on a TPU v5e divides by its bf16 datasheet peak, 197 TFLOP/s, and the run's summary names it."""
+  import types
+  from train import metrics
+  chip = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+  monkeypatch.setattr(metrics.jax, "local_devices", lambda: [chip])
+  assert metrics.peak_flops() == 197e12
+  assert metrics.peak_fields(197e12, None) == {"mfu_peak_tflops": 197.0,
+                                               "mfu_peak": "the bf16 datasheet peak of TPU v5 lite"}
+  assert metrics.peak_fields(5e14, 500.0)["mfu_peak"] == "--peak-tflops"
+  assert metrics.peak_fields(None, None) == {"mfu_peak_tflops": None, "mfu_peak": None}
 
 
 def test_a_training_row_says_how_its_attention_ran(monkeypatch):

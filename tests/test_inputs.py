@@ -175,7 +175,7 @@ def _algorithms(hlo: str) -> tuple[int, int]:
 def test_every_backend_has_a_named_minimum_compute_capability():
   from attnlayers import backends
   assert {n: b.min_cc for n, b in backends.REGISTRY.items()} == {
-      "naive": None, "xla": None, "cudnn": (8, 0), "te": (8, 0), "te-fp8": (8, 9)}
+      "naive": None, "xla": None, "cudnn": (8, 0), "te": (8, 0), "te-fp8": (8, 9), "splash": None}
 
 
 def test_fp8_guard_checks_the_functions_the_primitives_run(monkeypatch):

@@ -32,6 +32,14 @@ def test_the_terminal_shows_a_model_line_and_a_summary_line_and_the_metrics_file
   assert summary["event"] == "summary" and summary["steps"] == 2 and f"{summary['params']:,} parameters" in lines[-1]
 
 
+def test_the_summary_line_says_what_mfu_divides_by(text, tmp_path, capsys):
+  cli.main([*TINY, "--data", text, "--metrics", str(tmp_path / "m.jsonl"), "--peak-tflops", "2"])
+  done = capsys.readouterr().out.strip().splitlines()[-1]
+  assert " of 2 TFLOP/s (--peak-tflops)," in done, done
+  summary = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+  assert (summary["mfu_peak_tflops"], summary["mfu_peak"]) == (2.0, "--peak-tflops")
+
+
 def test_sigint_while_the_end_is_printed_exits_130_without_a_traceback(text, tmp_path, capsys, monkeypatch):
   """A Ctrl-C after the last step, while the sample command is printed (the run's signal handlers are gone by
   then): exit code 130 and one line, and runs/latest already names the run."""

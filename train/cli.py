@@ -495,7 +495,8 @@ def summary_line(summary: dict, metrics_path: str | None) -> str:
   if summary.get("steps_per_s"):
     parts.append(f"{summary['steps_per_s']:.3g} steps/s, {summary['tokens_per_s']:,.0f} tokens/s")
   if summary.get("mfu") is not None:
-    parts.append(f"MFU {summary['mfu']:.1%}")
+    peak = f" of {summary['mfu_peak_tflops']:.0f} TFLOP/s ({summary['mfu_peak']})" if summary.get("mfu_peak") else ""
+    parts.append(f"MFU {summary['mfu']:.1%}{peak}")
   if summary.get("params") is not None:
     parts.append(f"{summary['params']:,} parameters")
   where = f"the full summary is in {metrics_path}" if metrics_path else "--metrics FILE keeps the full summary"

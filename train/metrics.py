@@ -2,7 +2,8 @@
 
 MFU = flops_per_token * tokens_per_s / peak, with flops_per_token from
 models.flops_per_token (6N + 12 L n_head head_dim T) and peak the device's dense bf16
-datasheet rate; null where the peak is unknown (CPUs, unlisted GPUs) unless --peak-tflops.
+datasheet rate (an NVIDIA GPU's tensor cores, a TPU's matrix units); null where the peak is
+unknown (CPUs, unlisted devices) unless --peak-tflops. The run's summary records the peak used.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import jax
 
 from train import undo
 
-# Dense (no sparsity) bf16 tensor-core peak, FLOP/s, by the model name in device_kind ("NVIDIA H100 80GB HBM3"),
-# the first listed that matches as a whole word (peak_for). A plain substring read "NVIDIA L40" (181) as an L4
-# (121) and "NVIDIA A10G" as an A10, and gave the H100 PCIe (756) and the H100 and H200 NVL (835) the SXM
-# boards' 989. Unlisted models (an A10G, an H800) have no peak (MFU null, no check), not another board's.
+# Dense (no sparsity) bf16 datasheet peak, FLOP/s, by the model name in device_kind ("NVIDIA H100 80GB HBM3",
+# "TPU v5 lite" for a TPU v5e), the first listed that matches as a whole word (peak_for). A plain substring read
+# "NVIDIA L40" (181) as an L4 (121) and "NVIDIA A10G" as an A10, and gave the H100 PCIe (756) and the H100 and
+# H200 NVL (835) the SXM boards' 989. Unlisted models (an A10G, an H800) have no peak (MFU null, no check), not
+# another board's.
 PEAK_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H200": 989e12, "GH200": 989e12,
-             "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12}
+             "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10": 125e12,
+             "TPU v5 lite": 197e12}
+PEAK_PLATFORMS = ("gpu", "tpu")  # where PEAK_BF16 is looked up; other devices (CPUs) have no peak
 
 
 def peak_for(kind: str) -> float | None:
@@ -35,10 +39,20 @@ def peak_flops(override_tflops: float | None = None) -> float | None:
   if override_tflops:
     return override_tflops * 1e12
   device = jax.local_devices()[0]
-  if device.platform != "gpu":
+  if device.platform not in PEAK_PLATFORMS:
     return None
   kind = getattr(device, "device_kind", "")
   return peak_for(kind)
+
+
+def peak_fields(peak: float | None, override_tflops: float | None) -> dict:
+  """The summary's record of what MFU divides by: mfu_peak_tflops, and mfu_peak, where it comes from (--peak-tflops,
+  or the device's bf16 datasheet peak in PEAK_BF16); both None where MFU is null."""
+  if not peak:
+    return {"mfu_peak_tflops": None, "mfu_peak": None}
+  kind = jax.local_devices()[0].device_kind
+  return {"mfu_peak_tflops": peak / 1e12, "mfu_peak": "--peak-tflops" if override_tflops else
+          f"the bf16 datasheet peak of {kind}"}
 
 
 def peak_memory_bytes() -> int | None:

@@ -58,6 +58,7 @@ def summary(s: Session, state: dict, loss: float | None, dataset: data.Dataset) 
       "final_val_loss": s.val_loss[max(s.val_loss)] if s.val_loss else None,
       **s.throughput.rates_fields(steps_per_s),
       "time_to_first_step_s": s.throughput.time_to_first_step_s, "peak_memory_bytes": metrics.peak_memory_bytes(),
+      **metrics.peak_fields(s.throughput.peak, cfg.peak_tflops),
       "attention": mcfg.backend, "attention_ran": plans.ran(s.attention_plans),
       "attention_notes": plans.notes(s.attention_plans),
       "kernels": ops.resolve(mcfg.kernels)[0],  # the loss's, the LayerNorms' and bias + GELU's
