@@ -2,7 +2,7 @@
 row its words describe (tests/figures.py says how a row is told from the others).
 
 A paragraph that quotes a measured figure (a decimal number) must name at least one file of
-benchmarks/results/h200 (e.g. `layer.md`). Figures are copied from those tables, never typed. The few
+benchmarks/results/h200 (e.g. `layer.md`) or of another machine's folder there (e.g. `tpu-v5e/splash_blocks.md`). Figures are copied from those tables, never typed. The few
 decimals that are not measurements (a version, a target, arithmetic on quoted figures) are listed in
 UNMEASURED, page by page, with what each is.
 """
@@ -39,7 +39,11 @@ def page(name: str) -> str:
 
 
 def result_files() -> dict[str, str]:
-  return {str(p.relative_to(RESULTS)): p.read_text() for p in RESULTS.rglob("*.md")}  # e.g. packing/layer.md
+  """The H200's files by their path in RESULTS (e.g. packing/layer.md), the other machines' by their path in
+  benchmarks/results (e.g. tpu-v5e/splash_blocks.md)."""
+  others = {str(p.relative_to(RESULTS.parent)): p.read_text() for p in RESULTS.parent.glob("*/**/*.md")
+            if RESULTS not in p.parents}
+  return others | {str(p.relative_to(RESULTS)): p.read_text() for p in RESULTS.rglob("*.md")}
 
 
 def test_the_docs_pages_are_all_checked():
