@@ -44,6 +44,13 @@ def test_an_empty_path_is_refused_naming_its_flag(refused, flag):
     assert "--no-ckpt trains without checkpoints" in err, err
 
 
+@pytest.mark.parametrize("flag", ["--ckpt-dir", "--metrics", "--data"])
+def test_a_path_of_spaces_only_is_refused_naming_its_flag(refused, flag):
+  """' ' (a variable quoted with a space around it) made a run folder named ' ', shown as "model saved in  "."""
+  err = refused(flag, " ")
+  assert f"argument {flag}: a path of spaces only (' ')" in err, err
+
+
 def listing(folder):
   return sorted(os.path.relpath(os.path.join(top, n), folder) for top, dirs, files in os.walk(folder)
                 for n in dirs + files)
