@@ -157,3 +157,19 @@ def test_a_save_that_fails_otherwise_keeps_its_error(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="not a disk problem"):
     ckpts.save(10, {"params": {"w": jnp.zeros(2)}}, {})
   ckpts.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a file that is always full")
+def test_a_metrics_file_that_cannot_be_written_ends_in_one_line(tmp_path, capsys):
+  """--metrics /dev/full: the first record's write failed in two chained OSError tracebacks (the flush, then the
+  close that flushed again)."""
+  with pytest.raises(SystemExit) as stop:
+    cli.main([*TINY, "--steps", "2", "--no-ckpt", "--data", _text(tmp_path), "--metrics", "/dev/full"])
+  line = one_error_line(capsys.readouterr().err)
+  assert stop.value.code == 1 and line.startswith("error: --metrics /dev/full: cannot append a record (No space "
+                                                  "left on device); the run stops here"), line
+
+
+def _text(tmp_path) -> str:
+  (tmp_path / "d.txt").write_text("hello world\n" * 300)
+  return str(tmp_path / "d.txt")

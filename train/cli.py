@@ -412,6 +412,14 @@ def _outputs_in_another_run(s: Start) -> str | None:
       problems.append(f"{flag} {path} {where} the step folder {step} of the checkpointed run in {run}: writing there "
                       f"would damage that checkpoint; {resume} {flag} a path outside it")
   ckpt = s.a.ckpt_dir
+  for flag, path in (("--ckpt-dir", ckpt), ("--profile-dir", s.a.profile_dir)):
+    if s.a.metrics and path and os.path.realpath(s.a.metrics) == os.path.realpath(path):
+      problems.append(f"--metrics {s.a.metrics} is also {flag}, a folder: give --metrics a file of its own, e.g. "
+                      f"--metrics {os.path.join(path, 'metrics.jsonl')}")
+  if s.a.metrics and not problems and stepdirs.runs_own_file(s.a.metrics, ckpt):
+    problems.append(f"--metrics {s.a.metrics} names a file python -m train keeps in a run's checkpoint folder (its "
+                    "lock file, which is emptied when the run ends, a journal, or a step): give --metrics another "
+                    "name, e.g. metrics.jsonl")
   if not problems and ckpt and os.path.isdir(ckpt) and os.listdir(ckpt) and not stepdirs.holds_run(ckpt):
     names = sorted(os.listdir(ckpt))
     problems.append(f"--ckpt-dir {ckpt} holds files that are not a checkpointed run of python -m train "
@@ -505,6 +513,10 @@ def main(argv=None) -> None:
     print(e.report(), file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
   except diskspace.DiskFull as e:  # what is saved stays; the run's folder is kept for the resume
+    _fail(str(e))
+  except metrics.MetricsWriteError as e:  # what is saved stays; a fresh run's folder goes where it holds nothing
+    if s.fresh:
+      _discard_if_unused(cfg.ckpt_dir, s.made)
     _fail(str(e))
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
