@@ -27,6 +27,7 @@ from train import checkpoint, data, flags, reader, tokenizers
 from train.cli import LATEST, RUNS
 
 DEFAULT_TOKENS = 200  # new tokens when --tokens is not given (fewer where the context has less room)
+PROMPT_CHARS = 1 << 24  # the most of --prompt-file read: far past any context, whatever a token's length
 
 
 class SampleError(ValueError):
@@ -124,10 +125,12 @@ def _seed(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
   p = flags.Parser(prog="python -m sample", description=__doc__.splitlines()[0], formatter_class=flags.Help)
   one = flags.int_at_least(1)
-  p.add_argument("--ckpt-dir", help=f"a folder python -m train saved to; default: the one {LATEST} names")
+  p.add_argument("--ckpt-dir", type=flags.path(f"leave out --ckpt-dir to sample the run {LATEST} names"),
+                 help=f"a folder python -m train saved to; default: the one {LATEST} names")
   text = p.add_mutually_exclusive_group()
   text.add_argument("--prompt", help="text to continue; default: a newline")
-  text.add_argument("--prompt-file", help="continue this file's text")
+  text.add_argument("--prompt-file", type=flags.path("--prompt gives the text itself"),
+                    help="continue this file's text")
   p.add_argument("--tokens", type=one, help=f"new tokens per sample; default: {DEFAULT_TOKENS}, or as many "
                                             "as the context has room for after the prompt")
   p.add_argument("--temperature", type=_temperature, default=0.8, help="0: greedy (the most likely token)")
@@ -145,9 +148,13 @@ def _prompt(a) -> str:
     # bytes that are not UTF-8 read as --prompt's do (surrogateescape): a byte model takes them as they are, and
     # GPT-2 BPE refuses them saying so (tokenizers.encode)
     with open(a.prompt_file, encoding="utf-8", errors="surrogateescape") as f:
-      return f.read()
+      text = f.read(PROMPT_CHARS + 1)  # bounded: /dev/zero or a stream that never ends would be read for ever
   except OSError as e:
     raise SampleError(f"--prompt-file {a.prompt_file}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+  if len(text) > PROMPT_CHARS:
+    raise SampleError(f"--prompt-file {a.prompt_file} holds more than {PROMPT_CHARS:,} characters, more than any "
+                      "model's context takes as a prompt (the prompt and the new tokens share it): give a shorter file")
+  return text
 
 
 def _new_tokens(asked: int | None, prompt_len: int, seq_len: int) -> int:
