@@ -296,6 +296,13 @@ def check_source(spec: str | None) -> None:
     return
   if spec.endswith(".bin"):
     raise FileNotFoundError(f"--data {spec!r} matches no files")
+  if os.path.islink(spec):  # exists() follows the link: its target is missing, or links lead back to it
+    raise FileNotFoundError(f"--data {spec!r} is a symbolic link to {os.readlink(spec)!r}, which does not exist (or "
+                            "leads back round to it): give the file or folder itself")
+  if glob.has_magic(spec) and glob.glob(spec):
+    raise FileNotFoundError(f"--data {spec!r} is a pattern, and a pattern reads llm.c token shards ('DIR/*.bin') "
+                            f"only: give a text file, or the folder {os.path.dirname(spec) or '.'!r} to read every "
+                            "file in it as text")
   raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")
 
 
