@@ -22,7 +22,7 @@ import attnlayers
 from attnlayers import device
 import models
 from attnlayers.fp8 import FP8Meta
-from models.generate import SEEDS, Sampling, generate
+from models.generate import SEEDS, Sampling, bucket, generate, rows_for
 from train import checkpoint, data, flags, reader, tokenizers
 from train.cli import LATEST, RUNS
 
@@ -170,6 +170,26 @@ def _new_tokens(asked: int | None, prompt_len: int, seq_len: int) -> int:
   return min(DEFAULT_TOKENS, room) if asked is None else asked
 
 
+def _memory_of(dev) -> int | None:
+  """Bytes the device `dev` may allocate: a GPU's allocator limit, the host's available memory for a CPU; None where
+  neither is known."""
+  stats = dev.memory_stats() if dev.platform != "cpu" else None
+  return stats.get("bytes_limit") if stats else device.host_memory() if dev.platform == "cpu" else None
+
+
+def _check_memory(cfg: models.GPTConfig, batch: int, prompt_len: int, new: int) -> None:
+  """SampleError where the KV cache alone of `batch` rows would not fit the device: on a CPU, XLA takes host memory as
+  it is touched, and a run past it is killed by the OS with no message rather than refused by XLA."""
+  rows, length = rows_for(batch), bucket(prompt_len + new, cfg.seq_len)
+  need = 2 * cfg.n_layer * rows * length * (cfg.n_kv_head or cfg.n_head) * cfg.head_dim * jax.numpy.dtype(
+      cfg.dtype).itemsize  # keys and values of every layer: (rows, length, K, H) each
+  available = _memory_of(jax.local_devices()[0])
+  if available is not None and need > available:
+    raise SampleError(f"--batch {batch}: the KV cache alone needs about {device.size(need)} ({cfg.n_layer} layers' "
+                      f"keys and values, {rows} rows of {length} positions), more than the "
+                      f"{device.size(available)} {device.current().describe()} has: lower --batch, or --tokens")
+
+
 def run(a) -> None:
   text = _prompt(a)
   directory = a.ckpt_dir if a.ckpt_dir is not None else latest_run()
@@ -183,6 +203,7 @@ def run(a) -> None:
   if prompt.max() >= cfg.vocab_size:  # only there: every id a tokenizer gives is below its IDS
     raise SampleError(f"the prompt's {tokenizers.NAMES[r.tokenizer]} include id {prompt.max()}, past the model's "
                       f"vocabulary of {cfg.vocab_size} (ids 0..{cfg.vocab_size - 1}): give a prompt of those ids only")
+  _check_memory(cfg, a.batch, len(prompt), new)
   if a.top_k is not None and a.top_k > ids:
     raise SampleError(f"--top-k {a.top_k} is more than the {ids} {tokenizers.NAMES[r.tokenizer]} the model samples "
                       f"from; use 1..{ids}, or leave it out to keep every token")

@@ -594,3 +594,15 @@ def test_a_damaged_checkpoint_process_0_cannot_set_aside_stops_every_process(tmp
       ckpts.newest_intact()
     raised.append(str(e.value))
   assert raised[0] == raised[1] == "[Errno 30] Read-only file system", raised
+
+
+def test_a_batch_whose_kv_cache_exceeds_the_device_is_refused_before_it_is_made(trained, monkeypatch, capsys):
+  """--batch 1000000 of the tiny model on a CPU: XLA took host memory as it touched it and the OS killed the sampler
+  (SIGKILL, no message) after a minute; the cache's size is known before anything is allocated."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the device's own memory is read on a GPU")
+  monkeypatch.setattr(sample_cli.device, "host_memory", lambda field="MemAvailable": 2**20)
+  monkeypatch.setattr(sample_cli, "generate", lambda *a, **k: pytest.fail("generated"))
+  code, _, err = sample_main(["--ckpt-dir", str(trained[1]), "--batch", "64", "--tokens", "2"], capsys)
+  assert code == 2 and "error: --batch 64: the KV cache alone needs about 2 MiB (2 layers' keys and values, 64 rows " \
+                        "of 32 positions), more than the 1 MiB cpu has: lower --batch, or --tokens" in err, err
