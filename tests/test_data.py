@@ -46,6 +46,19 @@ def test_a_pattern_of_text_files_says_that_patterns_read_shards_and_folders_text
     data.check_source(str(tmp_path / "*.md"))
 
 
+def test_a_folder_of_devices_only_says_what_it_holds(tmp_path):
+  """A folder holding pipes (/dev: devices) but no file was 'an empty folder'."""
+  os.mkfifo(tmp_path / "fifo")
+  with pytest.raises(ValueError, match=f"--data '{tmp_path}' holds no files of data, only 1 device\\(s\\), pipe"):
+    data.load(str(tmp_path), 16)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_a_file_that_reports_no_size_but_holds_bytes_is_not_called_empty():
+  with pytest.raises(ValueError, match="'/proc/self/status' reports a size of 0 but holds bytes .*copy it to a file"):
+    data.load("/proc/self/status", 16)
+
+
 def test_a_character_device_is_refused_as_not_data():
   with pytest.raises(ValueError, match="'/dev/zero' is a character device, not a file of data: give a text file"):
     data.load("/dev/zero", 32)
