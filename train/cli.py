@@ -91,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
                  "(executables, compressed or random bytes) as bytes; default: refuse them")
   keep = p.add_mutually_exclusive_group()
   keep.add_argument("--ckpt-dir", type=path("--no-ckpt trains without checkpoints, and leaving out --ckpt-dir "
-                                              f"keeps them in a new folder in {RUNS}/"),
+                                             f"keeps them in a new folder in {RUNS}/"),
                     help="save checkpoints here and resume from the newest intact one: a new or empty folder, or "
                          "one a run saved to (a folder of other files, or a step folder, is refused); default: a new "
                          f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
