@@ -171,8 +171,12 @@ def _refuse_a_folder_beside_a_run(directory: str, named: str) -> None:
     where = "is" if os.path.realpath(directory) == step else "lies in"
     raise CheckpointError(f"{named} {where} the step folder {step} of the run in {run}, not a run's folder: give "
                           f"--ckpt-dir {run} (its newest intact step is read)")
-  runs = sorted(n for n in os.listdir(directory) if os.path.isdir(os.path.join(directory, n))
-                and stepdirs.holds_run(os.path.join(directory, n)))
+  def a_run(name: str) -> bool:
+    try:
+      return os.path.isdir(os.path.join(directory, name)) and stepdirs.holds_run(os.path.join(directory, name))
+    except OSError:  # a folder this user cannot list is not offered
+      return False
+  runs = sorted(n for n in os.listdir(directory) if a_run(n))
   if runs:
     raise CheckpointError(f"{named} holds no checkpoint of its own but the run folders {', '.join(runs[:3])}"
                           f"{', ...' if len(runs) > 3 else ''}: give --ckpt-dir one of them, e.g. --ckpt-dir "
