@@ -103,11 +103,14 @@ def main(argv=None) -> None:
   except ValueError as e:
     p.error(f"these flags make a call attnlayers refuses (B --batch, T and S --seq-len, N --heads, K --kv-heads, "
             f"H --head-dim): {e}")
-  need, available = 3 * 8 * a.batch * a.heads * a.seq_len**2, device.host_memory()  # reference()'s peak
+  # reference()'s peak: scores, their mask and exp (B, N, T, S); q, k and v repeated to N heads, and the output
+  # (B, T, N, H); all float64. jax's own q, k, v and their float32 copies are smaller than the last four.
+  need = 8 * a.batch * a.heads * a.seq_len * (3 * a.seq_len + 4 * a.head_dim)
+  available = device.host_memory()
   if available is not None and need > available:
     p.error(f"the float64 reference of this call needs about {device.size(need)} of host memory (three (B, N, T, S) "
-            f"float64 arrays at once), and this machine has {device.size(available)} available: lower --seq-len "
-            "(T = S), --batch or --heads")
+            f"and four (B, T, N, H) float64 arrays at once), and this machine has {device.size(available)} available: "
+            "lower --seq-len (T = S), --batch, --heads or --head-dim")
   q, k, v = inputs(a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim, a.dtype)
   print(f"jax {jax.__version__} on {jax.devices()[0]}; q {q.shape} k/v {k.shape} {a.dtype} causal={a.causal}; "
         "reference: float64 numpy (attnlayers.__main__.reference)")

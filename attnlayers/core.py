@@ -130,6 +130,7 @@ def attention(
   Returns:
     (B, T, N, H) in q's dtype, or (out, weights) when return_weights.
   """
+  spec.check_values(q, k, v)
   chosen = _plan(**locals())  # the arguments as given, by name
   for plans in _RECORDING:
     plans.append(chosen)

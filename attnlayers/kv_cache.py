@@ -133,6 +133,8 @@ def append(cached_key, cached_value, index, key, value, lengths, size: str = NNX
 def check_index(index, batch: tuple[int, ...], lengths) -> bool:
   """Whether `index` is one scalar shared by a batch of rows (Flax's cache); raises for any shape but
   () and (*batch,), and for lengths= with a shared index, whose rows cannot take different counts."""
+  if not jnp.issubdtype(index.dtype, jnp.integer):  # a float position would be truncated where it is cast
+    raise ValueError(f"cache_index must hold integer positions; got {index.dtype}")
   if index.shape not in ((), batch):
     raise ValueError(f"cache_index must have shape {batch} (one position per row, as attnlayers' layers make it) "
                      f"or () (one for the batch, as Flax's do); got shape {tuple(index.shape)}")

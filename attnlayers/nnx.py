@@ -99,6 +99,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     if "num_heads" in bound:  # missing: Flax's own TypeError says so
       spec.check_num_heads(bound["num_heads"])
     spec.check_num_kv_heads(bound.get("num_kv_heads"))
+    spec.check_features(**{name: bound.get(name) for name in ("in_features", "qkv_features", "out_features",
+                                                              "in_kv_features")})
     if attention_fn is not None and backend != backends.AUTO:
       raise ValueError(f"pass either attention_fn= or backend= ({backend!r}), not both: a custom "
                        "attention_fn replaces the backend's kernel")
@@ -201,6 +203,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     inputs_v = inputs_k if inputs_v is None else inputs_v
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"Incompatible input dimension, got {inputs_q.shape[-1]} but module expects {self.in_features}.")
+    for name, x in (("inputs_k", inputs_k), ("inputs_v", inputs_v)):
+      if self.fp8_qkv is None and x.shape[-1] != self.in_kv_features:  # else a dot_general shape error names neither
+        raise ValueError(f"Incompatible {name} dimension, got {x.shape[-1]} but module expects in_kv_features "
+                         f"{self.in_kv_features}.")
     if cache and (self.cached_key is None or self.cached_value is None or self.cache_index is None):
       raise ValueError("Autoregressive cache not initialized, call ``init_cache`` first.")
     if self.fp8_qkv is not None:

@@ -163,6 +163,8 @@ class Call:
       raise ValueError(f"dropout rate must be in (0, 1); got {self.dropout.rate}")
     if self.dropout is not None and self.dropout.rng is None:
       raise ValueError(f"dropout_rate={self.dropout.rate} needs a dropout_rng (a jax PRNG key)")
+    if self.dropout is not None and not _is_key(self.dropout.rng):
+      raise TypeError(f"dropout_rng must be a jax PRNG key, e.g. jax.random.key(0); got {self.dropout.rng!r}")
     if self.max_segments is not None:
       if self.q_segment_ids is None:
         raise ArgumentError("max_segments= bounds the documents of segment_ids=; pass segment_ids too (or drop it)",
@@ -248,12 +250,28 @@ def check_num_heads(num_heads) -> None:
                      f"features); got {num_heads!r}")
 
 
+def check_features(**features) -> None:
+  """A layer's feature sizes (in_features, and qkv_features, out_features, in_kv_features where given): positive
+  ints, numpy's too. Flax's class divides by in_features in its initializer (ZeroDivisionError at 0) and formats a
+  str into its own error message (a TypeError that names neither)."""
+  for name, value in features.items():
+    if value is not None and (not is_integer(value) or value <= 0):
+      raise ValueError(f"{name} must be a positive int (features of each input position); got {value!r}")
+
+
 def check_num_kv_heads(num_kv_heads) -> None:
   """A layer's num_kv_heads: None (= num_heads) or a positive int, numpy's too (its divisibility is checked with
   num_heads)."""
   if num_kv_heads is not None and (not is_integer(num_kv_heads) or num_kv_heads <= 0):
     raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None for num_heads); "
                      f"got {num_kv_heads!r}")
+
+
+def _is_key(x) -> bool:
+  """A jax PRNG key: a typed key (jax.random.key), or a raw uint32 one (jax.random.PRNGKey), traced or not."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or
+                                dtype == np.uint32 and getattr(x, "ndim", 0) >= 1)
 
 
 def _array_like(name: str, x):
@@ -268,10 +286,23 @@ def check_array_args(q, k, v) -> None:
     _array_like(name, x)
 
 
+def check_values(q, k, v) -> None:
+  """attention()'s q, k, v hold values: explain() also takes jax.ShapeDtypeStruct, which numpy fails to read deep in
+  a backend ('float() argument must be ... not ShapeDtypeStruct')."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if isinstance(x, jax.ShapeDtypeStruct):
+      raise TypeError(f"{name} is a jax.ShapeDtypeStruct, a shape without values: attention() computes, so it takes "
+                      "arrays; explain() takes shapes (what would run, without running), and jax.eval_shape traces "
+                      "attention() on them")
+
+
 def check_is_causal(is_causal) -> None:
   """Refuses an is_causal that is not a bool (1, "yes", None): where it is given, the call or a layer's field."""
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be True or False; got {is_causal!r} ({type(is_causal).__name__})")
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _check_scale(scale) -> float:
@@ -285,6 +316,9 @@ def _check_scale(scale) -> float:
   scale = float(scale)
   if not (math.isfinite(scale) and scale > 0):
     raise ValueError(f"scale must be a finite number > 0 (default 1/sqrt(H)); got {scale}")
+  if scale > FLOAT32_MAX:  # cast to the float32 scores it is inf, and every output NaN
+    raise ValueError(f"scale must be at most float32's largest number ({FLOAT32_MAX:.4g}): the softmax takes the scaled "
+                     f"scores in float32, where a larger one is inf; got {scale:g}")
   return scale
 
 

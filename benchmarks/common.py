@@ -55,6 +55,9 @@ def check_out(parser, path: str, flag: str = "--out", file: bool = False) -> Non
   written: a benchmark checks its output before it times anything, so rows are not timed and then lost. Makes
   nothing: it writes and deletes one temporary file in the nearest folder that exists (the check that holds for
   root and for read-only mounts alike, which permission bits do not say)."""
+  if not path.strip():  # an unset variable: os.path.abspath('') is the working folder, written to unasked
+    parser.error(f"{flag} {path!r} is an empty path (an unset variable?): leave out {flag} for its default, or give "
+                 f"the {'file' if file else 'folder'} to write")
   folder = os.path.dirname(os.path.abspath(path)) if file else os.path.abspath(path)
   if file and os.path.isdir(path):
     parser.error(f"{flag} {path} is a folder; give the file to write")

@@ -323,7 +323,15 @@ def main(argv=None) -> None:
       p.error(f"{flag} sets the {section} section's points; --sections {' '.join(a.sections)} has no {section}")
   missing = [path for path in a.merge or [] if not os.path.isfile(path)]
   if missing:
-    p.error(f"--merge: no such file: {', '.join(missing)}")
+    folders = [path for path in missing if os.path.isdir(path)]
+    absent = [path for path in missing if path not in folders]
+    p.error("--merge: " + "; ".join([f"no such file: {', '.join(absent)}"] * bool(absent) +
+                                    [f"{', '.join(folders)}: a folder; give the layer.json files in it"] * bool(folders)))
+  seen = {}
+  for path in a.merge or []:
+    if (first := seen.setdefault(os.path.realpath(path), path)) is not path:
+      p.error(f"--merge: {first} and {path} are one file: its rows would be merged twice; give each run's "
+              "layer.json once")
   if a.merge:
     runs = [_results(p, path) for path in a.merge]  # every file read before anything is written
     matmuls = [r["environment"]["matmul_bf16_tflops"] for r in runs]  # a merged run's is a list already

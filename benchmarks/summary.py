@@ -191,6 +191,9 @@ def main(argv=None) -> None:
   p.add_argument("--note", help="a line to add under the header, e.g. versions the JSON files do not record")
   a = p.parse_args(argv)
   common.check_out(p, a.out, file=True)  # before any work: a page that cannot be written is refused now
+  if os.path.exists(a.directory) and not os.path.isdir(a.directory):
+    p.error(f"{a.directory} is a file; give the folder that holds {', '.join(REQUIRED)} (python -m benchmarks.* "
+            "--out writes them there)")
   missing = [f"{name} (python -m benchmarks.{by})" for name, by in REQUIRED.items()
              if not os.path.isfile(os.path.join(a.directory, name))]
   if missing:
@@ -198,6 +201,7 @@ def main(argv=None) -> None:
             f"benchmarks/h200.sh writes them on a GPU; fp8 and wrapper need one); {a.out} is left as it was")
   rel = os.path.relpath(a.directory, os.path.dirname(os.path.abspath(a.out)))
   page = render(a.directory, rel, a.note)  # the whole page first: a failure leaves the old file whole
+  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)  # check_out made nothing
   with open(a.out + ".tmp", "w") as f:
     f.write(page)
   os.replace(a.out + ".tmp", a.out)

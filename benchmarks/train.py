@@ -23,7 +23,7 @@ import attnlayers
 from train import flags
 import models
 from benchmarks import clocks, common, flops, report
-from train import metrics
+from train import data, metrics
 
 
 PACKINGS = ("unpacked", "packed")
@@ -137,13 +137,18 @@ def main(argv=None) -> None:
   p.add_argument("--bias", nargs="+", choices=BIASES, default=["with"],
                  help="the model with the preset's biases in its Linears and LayerNorms (GPT-2's), without any "
                       "(train --no-bias, nanoGPT's train.py default), or both side by side; default: with")
-  p.add_argument("--data", help="train --data (default: the embedded corpus)")
+  p.add_argument("--data", type=flags.path("leave out --data to train on the default text"),
+                 help="train --data (default: the embedded corpus)")
   p.add_argument("--run-timeout", type=flags.positive_float, default=300, help="seconds one training run may take")
   p.add_argument("--matmul-n", type=one,
                  help="size of the same-run matmul yardstick (n^3); default 8192 on a GPU, 512 elsewhere")
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
+  try:  # cheap; each run's trainer checks the rest of --data, as it would alone
+    data.check_source(a.data)
+  except (FileNotFoundError, ValueError) as e:
+    p.error(str(e))
   a.seq_len = a.seq_len or [models.PRESETS[a.preset].seq_len]
   if a.matmul_n is None:
     a.matmul_n = common.yardstick_n()

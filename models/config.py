@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from attnlayers import ArgumentError
+import jax.numpy as jnp
+
+from attnlayers import BACKENDS, ArgumentError
+from attnlayers.spec import FP8_CORE_MODES
 from models.ops import KERNELS
 
 WINDOW_KINDS = ("local", "global")  # window_pattern's words: the layer uses the sliding window, or sees every token
@@ -40,6 +43,7 @@ class GPTConfig:
   kernels: str = "auto"  # the model's own GPU kernels (LayerNorm, bias + GELU, loss): models.ops.KERNELS
 
   def __post_init__(self):
+    self._check_types()
     kv = self.n_kv_head or self.n_head
     if self.d_model % self.n_head:
       raise ArgumentError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head}): n_head one of "
@@ -61,6 +65,38 @@ class GPTConfig:
     self._check_window()
     if self.window is not None:  # a numpy int (is_integer takes them) kept as the Python int that JSON records
       object.__setattr__(self, "window", int(self.window))
+
+  def _check_types(self) -> None:
+    """Each field's kind and range, before any arithmetic on them: a size of 0 divided by (ZeroDivisionError), a
+    str counted with (TypeError), or a bad name or rate accepted and failing only when the model is built or run."""
+    def refuse(name: str, expected: str):
+      value = getattr(self, name)
+      raise ArgumentError(f"{name} must be {expected}; got {value!r}", arguments=(name,), value=value,
+                          expected=expected)
+    for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
+      if not is_integer(getattr(self, name)) or getattr(self, name) < 1:
+        refuse(name, "an int >= 1")
+    for name, none in (("n_kv_head", "n_head"), ("max_segments", "seq_len")):
+      value = getattr(self, name)
+      if value is not None and (not is_integer(value) or value < 1):
+        refuse(name, f"an int >= 1, or None for {none}")
+    rate = self.dropout
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate < 1:
+      refuse("dropout", "a number in [0, 1)")
+    for name in ("causal", "tie_embeddings"):
+      if not isinstance(getattr(self, name), bool):
+        refuse(name, "True or False")
+    if self.backend not in BACKENDS:
+      refuse("backend", f"one of {', '.join(BACKENDS)}")
+    if self.fp8_core not in FP8_CORE_MODES:
+      refuse("fp8_core", f"one of {', '.join(FP8_CORE_MODES)}")
+    for name in ("dtype", "param_dtype"):
+      try:
+        floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
+      except TypeError:
+        floating = False
+      if not floating:
+        refuse(name, "a floating dtype's name, e.g. 'bfloat16' or 'float32'")
 
   def _check_window(self) -> None:
     w, kinds = self.window, self.pattern.split(",")

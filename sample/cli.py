@@ -22,11 +22,12 @@ import attnlayers
 from attnlayers import device
 import models
 from attnlayers.fp8 import FP8Meta
-from models.generate import SEEDS, Sampling, generate
+from models.generate import SEEDS, Sampling, bucket, generate, rows_for
 from train import checkpoint, data, flags, reader, tokenizers
 from train.cli import LATEST, RUNS
 
 DEFAULT_TOKENS = 200  # new tokens when --tokens is not given (fewer where the context has less room)
+PROMPT_CHARS = 1 << 24  # the most of --prompt-file read: far past any context, whatever a token's length
 
 
 class SampleError(ValueError):
@@ -124,10 +125,12 @@ def _seed(text: str) -> int:
 def parser() -> argparse.ArgumentParser:
   p = flags.Parser(prog="python -m sample", description=__doc__.splitlines()[0], formatter_class=flags.Help)
   one = flags.int_at_least(1)
-  p.add_argument("--ckpt-dir", help=f"a folder python -m train saved to; default: the one {LATEST} names")
+  p.add_argument("--ckpt-dir", type=flags.path(f"leave out --ckpt-dir to sample the run {LATEST} names"),
+                 help=f"a folder python -m train saved to; default: the one {LATEST} names")
   text = p.add_mutually_exclusive_group()
   text.add_argument("--prompt", help="text to continue; default: a newline")
-  text.add_argument("--prompt-file", help="continue this file's text")
+  text.add_argument("--prompt-file", type=flags.path("--prompt gives the text itself"),
+                    help="continue this file's text")
   p.add_argument("--tokens", type=one, help=f"new tokens per sample; default: {DEFAULT_TOKENS}, or as many "
                                             "as the context has room for after the prompt")
   p.add_argument("--temperature", type=_temperature, default=0.8, help="0: greedy (the most likely token)")
@@ -145,9 +148,13 @@ def _prompt(a) -> str:
     # bytes that are not UTF-8 read as --prompt's do (surrogateescape): a byte model takes them as they are, and
     # GPT-2 BPE refuses them saying so (tokenizers.encode)
     with open(a.prompt_file, encoding="utf-8", errors="surrogateescape") as f:
-      return f.read()
+      text = f.read(PROMPT_CHARS + 1)  # bounded: /dev/zero or a stream that never ends would be read for ever
   except OSError as e:
     raise SampleError(f"--prompt-file {a.prompt_file}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+  if len(text) > PROMPT_CHARS:
+    raise SampleError(f"--prompt-file {a.prompt_file} holds more than {PROMPT_CHARS:,} characters, more than any "
+                      "model's context takes as a prompt (the prompt and the new tokens share it): give a shorter file")
+  return text
 
 
 def _new_tokens(asked: int | None, prompt_len: int, seq_len: int) -> int:
@@ -163,6 +170,26 @@ def _new_tokens(asked: int | None, prompt_len: int, seq_len: int) -> int:
   return min(DEFAULT_TOKENS, room) if asked is None else asked
 
 
+def _memory_of(dev) -> int | None:
+  """Bytes the device `dev` may allocate: a GPU's allocator limit, the host's available memory for a CPU; None where
+  neither is known."""
+  stats = dev.memory_stats() if dev.platform != "cpu" else None
+  return stats.get("bytes_limit") if stats else device.host_memory() if dev.platform == "cpu" else None
+
+
+def _check_memory(cfg: models.GPTConfig, batch: int, prompt_len: int, new: int) -> None:
+  """SampleError where the KV cache alone of `batch` rows would not fit the device: on a CPU, XLA takes host memory as
+  it is touched, and a run past it is killed by the OS with no message rather than refused by XLA."""
+  rows, length = rows_for(batch), bucket(prompt_len + new, cfg.seq_len)
+  need = 2 * cfg.n_layer * rows * length * (cfg.n_kv_head or cfg.n_head) * cfg.head_dim * jax.numpy.dtype(
+      cfg.dtype).itemsize  # keys and values of every layer: (rows, length, K, H) each
+  available = _memory_of(jax.local_devices()[0])
+  if available is not None and need > available:
+    raise SampleError(f"--batch {batch}: the KV cache alone needs about {device.size(need)} ({cfg.n_layer} layers' "
+                      f"keys and values, {rows} rows of {length} positions), more than the "
+                      f"{device.size(available)} {device.current().describe()} has: lower --batch, or --tokens")
+
+
 def run(a) -> None:
   text = _prompt(a)
   directory = a.ckpt_dir if a.ckpt_dir is not None else latest_run()
@@ -176,6 +203,7 @@ def run(a) -> None:
   if prompt.max() >= cfg.vocab_size:  # only there: every id a tokenizer gives is below its IDS
     raise SampleError(f"the prompt's {tokenizers.NAMES[r.tokenizer]} include id {prompt.max()}, past the model's "
                       f"vocabulary of {cfg.vocab_size} (ids 0..{cfg.vocab_size - 1}): give a prompt of those ids only")
+  _check_memory(cfg, a.batch, len(prompt), new)
   if a.top_k is not None and a.top_k > ids:
     raise SampleError(f"--top-k {a.top_k} is more than the {ids} {tokenizers.NAMES[r.tokenizer]} the model samples "
                       f"from; use 1..{ids}, or leave it out to keep every token")

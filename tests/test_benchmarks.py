@@ -428,6 +428,20 @@ def test_the_matmul_yardstick_is_small_off_a_gpu():
   assert common.yardstick_n() == 512  # an 8192^3 bf16 matmul chain takes minutes a call on a CPU
 
 
+def test_summary_refuses_a_file_for_its_folder_and_makes_the_folder_of_its_page(tmp_path, capsys, monkeypatch):
+  """A file given as the folder said it 'lacks layer.json, ...'; --out in a folder not there yet ended in a
+  FileNotFoundError traceback after the page was rendered."""
+  from benchmarks import summary
+  (tmp_path / "notes.txt").write_text("x")
+  with pytest.raises(SystemExit) as e:
+    summary.main([str(tmp_path / "notes.txt"), "--out", str(tmp_path / "R.md")])
+  assert e.value.code == 2 and f"{tmp_path / 'notes.txt'} is a file; give the folder that holds layer.json" in \
+      capsys.readouterr().err
+  monkeypatch.chdir(ROOT)
+  summary.main(["benchmarks/results/h200", "--out", str(tmp_path / "new" / "R.md")])
+  assert (tmp_path / "new" / "R.md").read_text().startswith("#")
+
+
 def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_its_inputs(tmp_path, capsys,
                                                                                         monkeypatch):
   """benchmarks.summary on the published results reproduces RESULTS.md; on a folder without the JSON files it
@@ -471,11 +485,20 @@ def test_summary_writes_the_published_page_again_and_refuses_a_folder_without_it
      "context this benchmark's tiny variants hold is 256"),
     ("benchmarks.step", ["--preset", "tiny", "--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
     ("benchmarks.steady", ["--preset", "tiny", "--seq-len", "0"], "--seq-len: must be >= 1, got 0"),
+    # an empty --data trained on the default text
+    ("benchmarks.train", ["--preset", "tiny", "--data", ""], "argument --data: an empty path"),
+    # every run failed on it, after the matmul yardstick, and the benchmark exited 1
+    ("benchmarks.train", ["--preset", "tiny", "--data", "/nonexistent/d.txt"],
+     "--data '/nonexistent/d.txt': no such file or folder"),
+    # "no such file" of a folder; the same file twice merged its rows twice
+    ("benchmarks.layer", ["--merge", "benchmarks"], "--merge: benchmarks: a folder; give the layer.json files in it"),
+    ("benchmarks.layer", ["--merge", "benchmarks/results/h200/layer.json", "benchmarks/../benchmarks/results/h200/"
+                          "layer.json"], "are one file: its rows would be merged twice"),
 ], ids=["layer-seqs-0", "layer-calls-0", "layer-merge-missing", "layer-no-rows", "layer-merge-ignores",
         "layer-seqs-without-seq", "train-steps-1", "train-matmul-0",
         "train-seq-len-negative", "train-run-timeout-0", "fp8-calls-0", "fp8-core-T-0", "fp8-layer-D-N",
         "fp8_train-lr-0", "fp8_train-batch-0", "fp8_train-heads", "wrapper-seqs-0", "wrapper-rounds-0",
-        "decode-calls-0", "decode-context-too-long", "step-batch-0", "steady-seq-len-0"])
+        "decode-calls-0", "decode-context-too-long", "step-batch-0", "steady-seq-len-0", "train-data-empty", "train-data-missing", "layer-merge-folder", "layer-merge-twice"])
 @pytest.mark.filterwarnings("ignore:'benchmarks\\..*' found in sys.modules:RuntimeWarning")
 def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message, capsys, monkeypatch, tmp_path):
   """`python -m MODULE ARGS` in this process: runpy runs the module as __main__, as python -m does."""
@@ -486,6 +509,22 @@ def test_bad_benchmark_flags_exit_2_before_any_timing(module, args, message, cap
   err = capsys.readouterr().err
   assert e.value.code == 2 and message in err, err[-1500:]
   assert len(err.strip().splitlines()) == 1, err[-1500:]
+
+
+@pytest.mark.parametrize("module, out", [("benchmarks.layer", ""), ("benchmarks.decode", " ")])
+@pytest.mark.filterwarnings("ignore:'benchmarks\\..*' found in sys.modules:RuntimeWarning")
+def test_an_empty_out_is_refused_before_any_timing(module, out, capsys, monkeypatch, tmp_path):
+  """--out "$OUT" with OUT unset timed every row and wrote them into the working folder."""
+  import runpy
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(common, "time_fn", _no_timing)
+  monkeypatch.setattr(sys, "argv", [module, "--quick", "--out", out])
+  with pytest.raises(SystemExit) as e:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and f"--out {out!r} is an empty path (an unset variable?): leave out --out for its " \
+                               "default" in err, err
+  assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow

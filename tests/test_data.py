@@ -23,6 +23,42 @@ def write_shard(path, tokens):
   path.write_bytes(header.tobytes() + np.asarray(tokens, np.uint16).tobytes())
 
 
+@pytest.mark.parametrize("target", ["missing", "loop"])
+def test_a_link_to_nothing_is_named_as_a_link(tmp_path, target):
+  """A dangling or looping symbolic link said "no such file or folder" of a path that is there, as a link."""
+  if target == "missing":
+    os.symlink(tmp_path / "gone.txt", tmp_path / "link")
+  else:
+    os.symlink(tmp_path / "other", tmp_path / "link")
+    os.symlink(tmp_path / "link", tmp_path / "other")
+  with pytest.raises(FileNotFoundError, match=f"--data '{tmp_path}/link' is a symbolic link to '{tmp_path}/"
+                     f"{'gone.txt' if target == 'missing' else 'other'}', which does not exist"):
+    data.check_source(str(tmp_path / "link"))
+
+
+def test_a_pattern_of_text_files_says_that_patterns_read_shards_and_folders_text(tmp_path):
+  """'DIR/*.txt' said "no such file or folder (give ... 'DIR/*.bin')" of a pattern that matches files."""
+  (tmp_path / "a.txt").write_text(TEXT)
+  with pytest.raises(FileNotFoundError, match=f"--data '{tmp_path}/\\*.txt' is a pattern, and a pattern reads llm.c "
+                     f"token shards \\('DIR/\\*.bin'\\) only: give a text file, or the folder '{tmp_path}'"):
+    data.check_source(str(tmp_path / "*.txt"))
+  with pytest.raises(FileNotFoundError, match="no such file or folder"):  # a pattern that matches nothing
+    data.check_source(str(tmp_path / "*.md"))
+
+
+def test_a_folder_of_devices_only_says_what_it_holds(tmp_path):
+  """A folder holding pipes (/dev: devices) but no file was 'an empty folder'."""
+  os.mkfifo(tmp_path / "fifo")
+  with pytest.raises(ValueError, match=f"--data '{tmp_path}' holds no files of data, only 1 device\\(s\\), pipe"):
+    data.load(str(tmp_path), 16)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_a_file_that_reports_no_size_but_holds_bytes_is_not_called_empty():
+  with pytest.raises(ValueError, match="'/proc/self/status' reports a size of 0 but holds bytes .*copy it to a file"):
+    data.load("/proc/self/status", 16)
+
+
 def test_a_character_device_is_refused_as_not_data():
   with pytest.raises(ValueError, match="'/dev/zero' is a character device, not a file of data: give a text file"):
     data.load("/dev/zero", 32)

@@ -1,4 +1,4 @@
-"""Bad `attention()` / layer inputs raise one named error; the backend contract's option rules."""
+"""Bad `attention()` / layer / `models.GPTConfig` inputs raise one named error; the backend contract's option rules."""
 
 import inspect
 
@@ -333,3 +333,81 @@ def test_a_traced_call_is_described_and_planned_once_and_recorded(monkeypatch):
   assert len(described) == len(planned) == len(plans) == len(ran) == 1
   assert plans[0] is planned[0] and ran[0] == (plans[0].call, plans[0].decision)
   assert plans[0].call.is_causal and plans[0].chosen == "xla"
+
+
+def test_a_scale_past_float32_is_refused():
+  """scale=1e308 is finite, but inf in the float32 scores: every output was NaN, with only numpy's overflow warning."""
+  with pytest.raises(ValueError, match=r"scale must be at most float32's largest number \(3.403e\+38\)"):
+    attnlayers.attention(q, kv, kv, scale=1e308)
+  attnlayers.attention(q, kv, kv, scale=1e30)  # large, and a float32
+
+
+def test_attention_names_a_shape_given_for_values():
+  """A jax.ShapeDtypeStruct, which explain() takes, failed deep in a backend: 'float() argument must be a string or a
+  real number, not ShapeDtypeStruct'."""
+  shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  with pytest.raises(TypeError, match="q is a jax.ShapeDtypeStruct, a shape without values: attention"):
+    attnlayers.attention(shape, kv, kv)
+  assert attnlayers.explain("auto", shape, kv, kv).ok  # explain() takes it
+  assert jax.eval_shape(lambda x: attnlayers.attention(x, kv, kv), shape).shape == q.shape
+
+
+@pytest.mark.parametrize("rng", [0, "key", np.zeros(2, np.float32)], ids=["int", "str", "float-array"])
+def test_dropout_rng_must_be_a_key(rng):
+  """An int reached jax's PRNG code: 'JAX encountered invalid PRNG key data ... Got 0', naming no argument."""
+  with pytest.raises(TypeError, match="dropout_rng must be a jax PRNG key, e.g. jax.random.key"):
+    attnlayers.attention(q, kv, kv, dropout_rate=0.1, dropout_rng=rng)
+
+
+@pytest.mark.parametrize("rng", [jax.random.key(0), jax.random.PRNGKey(0)], ids=["typed", "raw"])
+def test_dropout_takes_typed_and_raw_keys(rng):
+  assert attnlayers.attention(q, kv, kv, dropout_rate=0.1, dropout_rng=rng).shape == q.shape
+
+
+@pytest.mark.parametrize("kwargs", [dict(in_features=0), dict(in_features="32"), dict(in_features=32.0),
+                                    dict(in_features=32, qkv_features=0), dict(in_features=32, out_features=-1),
+                                    dict(in_features=32, in_kv_features=0)],
+                         ids=["zero", "str", "float", "qkv-0", "out-negative", "in-kv-0"])
+def test_nnx_feature_sizes_must_be_positive_ints(kwargs):
+  """in_features=0 ended in Flax's initializer's ZeroDivisionError; '32' in a TypeError from Flax's formatting of its
+  own message ('not all arguments converted during string formatting')."""
+  name = [k for k, v in kwargs.items() if not (v == 32 and type(v) is int)][0]
+  with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+    MultiHeadAttention(num_heads=4, decode=False, rngs=nnx.Rngs(0), **kwargs)
+
+
+def test_nnx_keys_and_values_of_other_features_are_named():
+  """inputs_k of another width failed in dot_general ('contracting dimensions to have the same shape')."""
+  layer = MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))
+  x = jnp.ones((2, 8, 32))
+  with pytest.raises(ValueError, match="Incompatible inputs_k dimension, got 16 but module expects in_kv_features 32"):
+    layer(x, jnp.ones((2, 8, 16)))
+  with pytest.raises(ValueError, match="Incompatible inputs_v dimension, got 16"):
+    layer(x, x, jnp.ones((2, 8, 16)))
+  cross = MultiHeadAttention(4, 32, in_kv_features=16, decode=False, rngs=nnx.Rngs(0))
+  assert cross(x, jnp.ones((2, 8, 16))).shape == (2, 8, 32)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("n_layer", 0, "an int >= 1"), ("n_head", 0, "an int >= 1"), ("vocab_size", 0, "an int >= 1"),
+    ("seq_len", 0, "an int >= 1"), ("d_model", -768, "an int >= 1"), ("mlp_ratio", 0, "an int >= 1"),
+    ("n_layer", "4", "an int >= 1"), ("n_kv_head", 0, "an int >= 1, or None for n_head"),
+    ("max_segments", 0, "an int >= 1, or None for seq_len"), ("dropout", 1.5, r"a number in \[0, 1\)"),
+    ("dropout", True, r"a number in \[0, 1\)"), ("causal", "yes", "True or False"),
+    ("tie_embeddings", 1, "True or False"), ("backend", "flash", "one of auto, naive, xla, cudnn, te, te-fp8"),
+    ("fp8_core", "maybe", "one of fp8, fp8-or-bf16, bf16"), ("dtype", "float99", "a floating dtype's name, e.g. 'bfloat16' or 'float32'"),
+    ("param_dtype", "int32", "a floating dtype's name, e.g. 'bfloat16' or 'float32'"),
+])
+def test_gpt_config_refuses_a_field_of_the_wrong_kind_naming_it(field, value, expected):
+  """These were accepted (and failed, if at all, when the model was built or run), or ended in a ZeroDivisionError
+  (n_head 0), a TypeError (n_layer '4'), or a window_pattern message (n_layer 0); n_kv_head 0 built an MHA model."""
+  import models
+  with pytest.raises(attnlayers.ArgumentError, match=f"{field} must be {expected}; got {value!r}") as e:
+    models.GPTConfig(**{field: value})
+  assert e.value.arguments == (field,)
+
+
+def test_gpt_config_takes_numpy_ints_and_dtype_objects():
+  import models
+  cfg = models.GPTConfig(n_layer=np.int64(2), dtype=jnp.float32, param_dtype="bfloat16", dropout=0.1)
+  assert cfg.n_layer == 2

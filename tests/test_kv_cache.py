@@ -47,6 +47,13 @@ def test_an_index_neither_scalar_nor_one_per_row_is_refused():
     kv_cache.append(cache, cache, jnp.zeros((1,), jnp.int32), new, new, None)
 
 
+def test_a_cache_index_that_is_not_integer_is_refused():
+  """A float index was accepted and truncated where it was cast to a position."""
+  cache, new = jnp.zeros((2, 6, 1, 8)), jnp.zeros((2, 1, 1, 8))
+  with pytest.raises(ValueError, match="cache_index must hold integer positions; got float32"):
+    kv_cache.append(cache, cache, jnp.full((2,), 1.5), new, new, None)
+
+
 def test_under_jit_a_shared_index_that_would_pass_the_end_stays_put():
   """Flax's cache (one scalar cache_index) at 5 of 6, 2 more tokens under jit: nothing can raise, so the index stays
   at 5 (as an eager refusal leaves it; the attention rows are NaN) rather than moving past the end for good."""

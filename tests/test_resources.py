@@ -84,7 +84,17 @@ def test_attnlayers_refuses_a_reference_larger_than_the_host(monkeypatch, capsys
   with pytest.raises(SystemExit) as stop:
     attnlayers_main.main(["--seq-len", "4096"])  # 3 x (2, 8, 4096, 4096) float64: 6 GiB
   line = one_error_line(capsys.readouterr().err)
-  assert stop.value.code == 2 and "needs about 6 GiB of host memory" in line and "1 GiB available" in line, line
+  assert stop.value.code == 2 and "needs about 6.12 GiB of host memory" in line and "1 GiB available" in line, line
+
+
+def test_attnlayers_counts_the_head_dim_in_the_reference_it_refuses(monkeypatch, capsys):
+  """--head-dim 100000000: the (B, N, T, S) count passed it, and jax aborted the process (a C++ check failure, exit
+  134) while making q, k and v of hundreds of GiB."""
+  monkeypatch.setattr(device, "host_memory", lambda field="MemAvailable": 2**30)
+  with pytest.raises(SystemExit) as stop:
+    attnlayers_main.main(["--seq-len", "16", "--head-dim", "1000000"])  # 4 x (2, 16, 8, 10**6) float64: 7.6 GiB
+  line = one_error_line(capsys.readouterr().err)
+  assert stop.value.code == 2 and "needs about 7.63 GiB of host memory" in line and "--head-dim" in line, line
 
 
 def test_attnlayers_reports_a_backend_out_of_memory_as_its_row(monkeypatch, capsys, out_of_memory):
@@ -157,3 +167,19 @@ def test_a_save_that_fails_otherwise_keeps_its_error(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="not a disk problem"):
     ckpts.save(10, {"params": {"w": jnp.zeros(2)}}, {})
   ckpts.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a file that is always full")
+def test_a_metrics_file_that_cannot_be_written_ends_in_one_line(tmp_path, capsys):
+  """--metrics /dev/full: the first record's write failed in two chained OSError tracebacks (the flush, then the
+  close that flushed again)."""
+  with pytest.raises(SystemExit) as stop:
+    cli.main([*TINY, "--steps", "2", "--no-ckpt", "--data", _text(tmp_path), "--metrics", "/dev/full"])
+  line = one_error_line(capsys.readouterr().err)
+  assert stop.value.code == 1 and line.startswith("error: --metrics /dev/full: cannot append a record (No space "
+                                                  "left on device); the run stops here"), line
+
+
+def _text(tmp_path) -> str:
+  (tmp_path / "d.txt").write_text("hello world\n" * 300)
+  return str(tmp_path / "d.txt")

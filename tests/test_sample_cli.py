@@ -231,7 +231,27 @@ BAD = {
                          "hold the name of a run folder in runs (as python -m train writes it): it holds "
                          "b'\\xff\\xfe\\x80'. Give --ckpt-dir"),
     "latest-a-path": (lambda t, d: _latest(d, b"../etc\n"), "runs/latest does not hold the name of a run folder"),
+    # an empty path read as a folder that does not exist: "--ckpt-dir  does not exist"
+    "ckpt-dir-empty": (lambda t, d: ["--ckpt-dir", ""], "argument --ckpt-dir: an empty path (an unset variable?); "
+                       "leave out --ckpt-dir to sample the run runs/latest names"),
+    "ckpt-dir-spaces": (lambda t, d: ["--ckpt-dir", "  "], "argument --ckpt-dir: a path of spaces only ('  ')"),
+    "prompt-file-empty": (lambda t, d: ["--prompt-file", ""], "argument --prompt-file: an empty path"),
+    # read to its end, which /dev/zero never reaches: the sampler hung in silence
+    "prompt-file-endless": (lambda t, d: ["--ckpt-dir", str(t[1]), "--prompt-file", "/dev/zero"],
+                            "--prompt-file /dev/zero holds more than 16,777,216 characters, more than any model's "
+                            "context takes as a prompt"),
+    # a step folder, or a folder of run folders, said only that it held no checkpoint
+    "step-folder": (lambda t, d: ["--ckpt-dir", _newest_step(t[1])], "is the step folder {s} of the run in {r}, not a "
+                    "run's folder: give --ckpt-dir {r}"),
+    "inside-a-step-folder": (lambda t, d: ["--ckpt-dir", os.path.join(_newest_step(t[1]), "state")],
+                             "lies in the step folder {s} of the run in {r}"),
+    "folder-of-runs": (lambda t, d: ["--ckpt-dir", str(t[1].parent)], "holds no checkpoint of its own but the run "
+                       "folders {n}: give --ckpt-dir one of them, e.g. --ckpt-dir {r}"),
 }
+
+
+def _newest_step(run) -> str:
+  return str(run / max((n for n in os.listdir(run) if n.isdigit()), key=int))
 if jax.default_backend() == "cpu":  # a GPU with TransformerEngine may run it
   BAD["te-fp8-cannot-run"] = (lambda t, d: ["--ckpt-dir", str(t[1]), "--attn", "te-fp8", "--tokens", "2"],
                               "te-fp8 projections cannot run here")
@@ -240,6 +260,8 @@ if jax.default_backend() == "cpu":  # a GPU with TransformerEngine may run it
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_exits_2_saying_what_would_work(trained, tmp_path, case, capsys):
   args, message = BAD[case]
+  run = trained[1]
+  message = message.format(s=os.path.realpath(_newest_step(run)), r=os.path.realpath(run), n=run.name)
   code, _, err = sample_main(args(trained, tmp_path), capsys, cwd=tmp_path)
   assert code == 2 and message in err, err
   assert "Traceback" not in err
@@ -572,3 +594,15 @@ def test_a_damaged_checkpoint_process_0_cannot_set_aside_stops_every_process(tmp
       ckpts.newest_intact()
     raised.append(str(e.value))
   assert raised[0] == raised[1] == "[Errno 30] Read-only file system", raised
+
+
+def test_a_batch_whose_kv_cache_exceeds_the_device_is_refused_before_it_is_made(trained, monkeypatch, capsys):
+  """--batch 1000000 of the tiny model on a CPU: XLA took host memory as it touched it and the OS killed the sampler
+  (SIGKILL, no message) after a minute; the cache's size is known before anything is allocated."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the device's own memory is read on a GPU")
+  monkeypatch.setattr(sample_cli.device, "host_memory", lambda field="MemAvailable": 2**20)
+  monkeypatch.setattr(sample_cli, "generate", lambda *a, **k: pytest.fail("generated"))
+  code, _, err = sample_main(["--ckpt-dir", str(trained[1]), "--batch", "64", "--tokens", "2"], capsys)
+  assert code == 2 and "error: --batch 64: the KV cache alone needs about 2 MiB (2 layers' keys and values, 64 rows " \
+                        "of 32 positions), more than the 1 MiB cpu has: lower --batch, or --tokens" in err, err

@@ -611,6 +611,12 @@ BAD_FLAGS = {
                                        "takes one. Quote the pattern so that it reaches python -m train whole (the "
                                        "files are in several folders: quote the pattern you typed)"),
     "multihost-partial": (lambda d: ["--num-processes", "2"], "multi-host runs need all of --coordinator-address"),
+    # jax.distributed.initialize took an address without a port and failed with an IndexError traceback
+    "coordinator-without-port": (lambda d: ["--coordinator-address", "localhost", "--num-processes", "1",
+                                            "--process-id", "0"],
+                                 "argument --coordinator-address: expected host:port, e.g. 10.0.0.1:1234"),
+    "coordinator-port-not-a-number": (lambda d: ["--coordinator-address", "host:http", "--num-processes", "1",
+                                                 "--process-id", "0"], "expected host:port"),
     "multihost-process-id": (lambda d: ["--coordinator-address", "127.0.0.1:1", "--num-processes", "1",
                                         "--process-id", "3"], "--process-id 3 must be below --num-processes 1"),
 }

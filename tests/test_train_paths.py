@@ -44,6 +44,13 @@ def test_an_empty_path_is_refused_naming_its_flag(refused, flag):
     assert "--no-ckpt trains without checkpoints" in err, err
 
 
+@pytest.mark.parametrize("flag", ["--ckpt-dir", "--metrics", "--data"])
+def test_a_path_of_spaces_only_is_refused_naming_its_flag(refused, flag):
+  """' ' (a variable quoted with a space around it) made a run folder named ' ', shown as "model saved in  "."""
+  err = refused(flag, " ")
+  assert f"argument {flag}: a path of spaces only (' ')" in err, err
+
+
 def listing(folder):
   return sorted(os.path.relpath(os.path.join(top, n), folder) for top, dirs, files in os.walk(folder)
                 for n in dirs + files)
@@ -89,3 +96,41 @@ def test_a_new_or_empty_folder_or_one_holding_a_run_is_taken_as_ckpt_dir(tmp_pat
     (path / "notes.txt").write_text("mine")
   s = cli.Start(cli.parse(["--ckpt-dir", str(path), "--metrics", str(path / "m.jsonl")]))
   assert cli._outputs_in_another_run(s) is None
+
+
+@pytest.mark.parametrize("content", [b"my notes\n", b"\x7fELF\x02\x01binary", b"[1, 2]\n"], ids=["notes", "binary", "list"])
+def test_a_metrics_file_of_other_text_is_refused_and_left_as_it_was(tmp_path, refused, content):
+  """Records were appended to any file --metrics named: a user's notes or a binary gained JSON lines."""
+  (tmp_path / "notes.md").write_bytes(content)
+  err = refused("--no-ckpt", "--metrics", str(tmp_path / "notes.md"))
+  assert f"--metrics {tmp_path / 'notes.md'}: holds other text (its first line is not a JSON record)" in err, err
+  assert (tmp_path / "notes.md").read_bytes() == content
+
+
+def test_a_metrics_file_of_records_or_empty_is_appended_to(tmp_path):
+  from train import metrics
+  for content in (b"", b'{"step": 1}\n'):
+    (tmp_path / "m.jsonl").write_bytes(content)
+    out = metrics.MetricsFile(str(tmp_path / "m.jsonl"))
+    out.write({"step": 2})
+    out.close()
+    assert (tmp_path / "m.jsonl").read_bytes() == content + b'{"step": 2}\n'
+
+
+@pytest.mark.parametrize("where", ["new", "run"])
+def test_metrics_on_the_lock_file_of_the_run_is_refused(tmp_path, refused, where):
+  """--metrics CKPT/attnlayers.lock: the run appended its records to its lock file, which is emptied when the lock
+  is released, and the records were gone."""
+  ckpt = tmp_path / "c" if where == "new" else a_run(tmp_path / "c")
+  err = refused("--ckpt-dir", str(ckpt), "--metrics", str(ckpt / "attnlayers.lock"))
+  assert f"--metrics {ckpt / 'attnlayers.lock'} names a file python -m train keeps in a run's checkpoint folder" in err
+  assert where == "run" or not ckpt.exists()
+
+
+@pytest.mark.parametrize("flag", ["--ckpt-dir", "--profile-dir"])
+def test_metrics_naming_the_same_path_as_a_folder_output_says_so(tmp_path, refused, flag):
+  """It said '--metrics X: is a folder', of a folder the run itself had just made for the other flag."""
+  err = refused(*(["--steps", "20"] if flag == "--profile-dir" else []), flag, str(tmp_path / "out"), "--metrics",
+                str(tmp_path / "out"))
+  assert f"--metrics {tmp_path / 'out'} is also {flag}, a folder: give --metrics a file of its own" in err, err
+  assert not (tmp_path / "out").exists()

@@ -28,7 +28,7 @@ import jax
 
 import attnlayers
 from attnlayers import device, spec
-from train.flags import Help, Parser, int_at_least, positive_float
+from train.flags import Help, Parser, address, int_at_least, path, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
 from train import (checkpoint, config, data, diskspace, hosts, lock, loop, metrics, overlap, report, signals,
@@ -41,16 +41,6 @@ SAMPLE_TOKENS = 200  # new tokens the end-of-run sample has by default, where th
 
 def _setting(text: str) -> str:
   return text.replace("-", "_")
-
-
-def _path(otherwise: str):
-  """argparse type of a path flag: refuses an empty one (an unset shell variable), which would otherwise run as if
-  the flag were not given; `otherwise` says what does what the empty path was taken for."""
-  def parse(text: str) -> str:
-    if not text:
-      raise argparse.ArgumentTypeError(f"an empty path (an unset variable?); {otherwise}")
-    return text
-  return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -93,15 +83,15 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (warm-up, then cosine decay)")
   p.add_argument("--warmup", type=zero, default=30, help="linear warm-up steps")
   p.add_argument("--seed", type=zero, default=0, help="parameters, data order and dropout")
-  p.add_argument("--data", type=_path("leave out --data to train on the default text"),
+  p.add_argument("--data", type=path("leave out --data to train on the default text"),
                  help="text file, folder of text (every file under it; no run folders of python -m train), or "
                       "'DIR/*.bin' token shards (quoted: the shell would expand it); default: the installed Python's "
                       "standard library sources, read at run time (no download)")
   p.add_argument("--data-raw-bytes", action="store_true", help="train on --data files that are mostly not text "
                  "(executables, compressed or random bytes) as bytes; default: refuse them")
   keep = p.add_mutually_exclusive_group()
-  keep.add_argument("--ckpt-dir", type=_path("--no-ckpt trains without checkpoints, and leaving out --ckpt-dir "
-                                              f"keeps them in a new folder in {RUNS}/"),
+  keep.add_argument("--ckpt-dir", type=path("--no-ckpt trains without checkpoints, and leaving out --ckpt-dir "
+                                             f"keeps them in a new folder in {RUNS}/"),
                     help="save checkpoints here and resume from the newest intact one: a new or empty folder, or "
                          "one a run saved to (a folder of other files, or a step folder, is refused); default: a new "
                          f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
@@ -116,7 +106,7 @@ def parser() -> argparse.ArgumentParser:
                  "them all")
   p.add_argument("--eval-every", type=zero, default=100, help="steps between validation losses; 0: none")
   p.add_argument("--log-every", type=one, default=10, help="steps between metrics records")
-  p.add_argument("--metrics", type=_path("leave out --metrics to write no metrics file"),
+  p.add_argument("--metrics", type=path("leave out --metrics to write no metrics file"),
                  help="append JSON lines (per logged step, resumes, ...) to this file; default: none")
   p.add_argument("--sample-tokens", type=zero, help="tokens to sample at the end, after a prompt from the validation "
                  f"text; at most three quarters of --seq-len fit (the prompt takes the rest); 0: none; default: "
@@ -125,10 +115,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--no-progress", dest="progress", action="store_false",
                  help="hide the progress bar (shown by default)")
   first, last = config.PROFILE_WINDOW
-  p.add_argument("--profile-dir", type=_path("leave out --profile-dir to write no trace"),
+  p.add_argument("--profile-dir", type=path("leave out --profile-dir to write no trace"),
                  help=f"write a profiler trace of the run's steps {first}-{last} here (perfetto_trace.json.gz + "
                       "xplane); default: none")
-  p.add_argument("--coordinator-address", type=_path("leave out --coordinator-address for a run on one host"),
+  p.add_argument("--coordinator-address", type=address("leave out --coordinator-address for a run on one host"),
                  help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
   p.add_argument("--num-processes", type=one, help="multi-host: how many processes")
   p.add_argument("--process-id", type=zero, help="multi-host: this process's index")
@@ -422,6 +412,14 @@ def _outputs_in_another_run(s: Start) -> str | None:
       problems.append(f"{flag} {path} {where} the step folder {step} of the checkpointed run in {run}: writing there "
                       f"would damage that checkpoint; {resume} {flag} a path outside it")
   ckpt = s.a.ckpt_dir
+  for flag, path in (("--ckpt-dir", ckpt), ("--profile-dir", s.a.profile_dir)):
+    if s.a.metrics and path and os.path.realpath(s.a.metrics) == os.path.realpath(path):
+      problems.append(f"--metrics {s.a.metrics} is also {flag}, a folder: give --metrics a file of its own, e.g. "
+                      f"--metrics {os.path.join(path, 'metrics.jsonl')}")
+  if s.a.metrics and not problems and stepdirs.runs_own_file(s.a.metrics, ckpt):
+    problems.append(f"--metrics {s.a.metrics} names a file python -m train keeps in a run's checkpoint folder (its "
+                    "lock file, which is emptied when the run ends, a journal, or a step): give --metrics another "
+                    "name, e.g. metrics.jsonl")
   if not problems and ckpt and os.path.isdir(ckpt) and os.listdir(ckpt) and not stepdirs.holds_run(ckpt):
     names = sorted(os.listdir(ckpt))
     problems.append(f"--ckpt-dir {ckpt} holds files that are not a checkpointed run of python -m train "
@@ -516,6 +514,10 @@ def main(argv=None) -> None:
     print(e.report(), file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
   except diskspace.DiskFull as e:  # what is saved stays; the run's folder is kept for the resume
+    _fail(str(e))
+  except metrics.MetricsWriteError as e:  # what is saved stays; a fresh run's folder goes where it holds nothing
+    if s.fresh:
+      _discard_if_unused(cfg.ckpt_dir, s.made)
     _fail(str(e))
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:

@@ -296,6 +296,13 @@ def check_source(spec: str | None) -> None:
     return
   if spec.endswith(".bin"):
     raise FileNotFoundError(f"--data {spec!r} matches no files")
+  if os.path.islink(spec):  # exists() follows the link: its target is missing, or links lead back to it
+    raise FileNotFoundError(f"--data {spec!r} is a symbolic link to {os.readlink(spec)!r}, which does not exist (or "
+                            "leads back round to it): give the file or folder itself")
+  if glob.has_magic(spec) and glob.glob(spec):
+    raise FileNotFoundError(f"--data {spec!r} is a pattern, and a pattern reads llm.c token shards ('DIR/*.bin') "
+                            f"only: give a text file, or the folder {os.path.dirname(spec) or '.'!r} to read every "
+                            "file in it as text")
   raise FileNotFoundError(f"--data {spec!r}: no such file or folder (give a text file, a folder, or 'DIR/*.bin')")
 
 
@@ -369,8 +376,13 @@ def _text_files(spec: str, walk: Walk | None) -> list[str]:
   """The files of folder `spec` (_folder_files of `walk`, or of a walk made now), refused where they are not all text:
   none, python -m train's run folders, or llm.c token shards (read as bytes, they would train on their header and
   uint16 halves)."""
-  files = _folder_files(walked(spec, walk))
+  folders = walked(spec, walk)
+  files = _folder_files(folders)
   if not files:
+    others = sum(len(names) for _, names in folders)  # devices, pipes, sockets, links to nothing
+    if others:
+      raise ValueError(f"--data {spec!r} holds no files of data, only {others} device(s), pipe(s) or other "
+                       "entries that are not files; put text files in it")
     raise ValueError(f"--data {spec!r} is an empty folder; put text files in it")
   runs = _run_folders(files)
   top = os.path.abspath(spec)
@@ -464,7 +476,10 @@ def load(spec: str | None, seq_len: int, pack: bool = False, walk: Walk | None =
     return _split_bytes(spec, files, seq_len, pack, progress)
   if os.path.isfile(spec):
     if os.path.getsize(spec) == 0:
-      raise ValueError(f"--data {spec!r} is empty")
+      with open(spec, "rb") as f:
+        streamed = bool(f.read(1))
+      raise ValueError(f"--data {spec!r} reports a size of 0 but holds bytes (a file of /proc or /sys, made as it "
+                       "is read): copy it to a file first" if streamed else f"--data {spec!r} is empty")
     if not raw_bytes:
       _check_text(spec, [spec])
     return _split_bytes(spec, [spec], seq_len, pack, progress)

@@ -63,3 +63,27 @@ def float_above(low: float, *, inclusive: bool = False, note: str = ""):
 
 
 positive_float = float_above(0)  # argparse type of a finite number > 0
+
+
+def path(otherwise: str):
+  """argparse type of a path flag: refuses an empty one (an unset shell variable) or one of spaces only (a variable
+  quoted with a space around it), which would otherwise run as if the flag were not given, or write to a folder
+  whose name shows as nothing; `otherwise` says what does what the empty path was taken for."""
+  def parse(text: str) -> str:
+    if not text.strip():
+      what = "an empty path (an unset variable?)" if not text else f"a path of spaces only ({text!r})"
+      raise argparse.ArgumentTypeError(f"{what}; {otherwise}")
+    return text
+  return parse
+
+
+def address(otherwise: str):
+  """argparse type of a host:port flag, as jax.distributed.initialize takes it: a host and a port number (without
+  the port, jax fails with an IndexError); empty, as `path` refuses it."""
+  def parse(text: str) -> str:
+    host, colon, port = path(otherwise)(text).rpartition(":")
+    if not colon or not host.strip() or not port.isdigit() or not 0 < int(port) < 65536:
+      raise argparse.ArgumentTypeError(f"expected host:port, e.g. 10.0.0.1:1234 (process 0's host and a free port "
+                                       f"there), got {text!r}")
+    return text
+  return parse

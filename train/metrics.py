@@ -136,6 +136,28 @@ def loads(line: str) -> dict:
   return json.loads(line, object_hook=number)
 
 
+class MetricsWriteError(RuntimeError):
+  """A record could not be appended to the metrics file; the message names it and what to do."""
+
+
+def _check_records(path: str) -> None:
+  """ValueError unless the existing file `path` is empty or starts with a JSON record: records appended to a file
+  of other text (notes, a script, a binary) would damage it. A device (/dev/null) is not read."""
+  if not os.path.isfile(path):
+    return
+  with open(path, "rb") as f:
+    first = f.readline(1 << 20)
+  if not first.strip():
+    return
+  try:
+    record = json.loads(first)
+  except ValueError:  # UnicodeDecodeError too
+    record = None
+  if not isinstance(record, dict):
+    raise ValueError(f"--metrics {path}: holds other text (its first line is not a JSON record), and records would "
+                     "be appended to it; give a new file, or one a run wrote its records to")
+
+
 class MetricsFile:
   """Appends one JSON object a line; a resumed run keeps appending to the same file."""
 
@@ -150,6 +172,7 @@ class MetricsFile:
         try:
           self.file, self.created = open(path, "x", encoding="utf-8"), True
         except FileExistsError:
+          _check_records(path)
           self.file = open(path, "a", encoding="utf-8")
       except OSError as e:
         raise ValueError(f"--metrics {path}: cannot write there ({e.strerror})") from None
@@ -169,9 +192,17 @@ class MetricsFile:
 
   def write(self, record: dict) -> None:
     if self.file:
-      self.file.write(dumps(record) + "\n")
-      self.file.flush()
+      try:
+        self.file.write(dumps(record) + "\n")
+        self.file.flush()
+      except OSError as e:  # a full disk, a device that takes no writes (/dev/full)
+        raise MetricsWriteError(f"--metrics {self.path}: cannot append a record ({e.strerror or e}); the run stops "
+                                "here, and the checkpoints it saved are kept: free room there, or give --metrics "
+                                "another file, and run again to resume") from None
 
   def close(self) -> None:
     if self.file:
-      self.file.close()
+      try:
+        self.file.close()
+      except OSError:  # the record a failed write left in the buffer: write() has raised MetricsWriteError for it
+        pass

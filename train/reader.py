@@ -115,6 +115,8 @@ class Reader:
       what = "is not a folder" if os.path.exists(directory) else "does not exist"
       raise CheckpointError(f"{self.named} {what}: give --ckpt-dir the folder python -m train saved to")
     found = stepdirs.listing(directory)
+    if not found.ours and not found.foreign + found.empty:
+      _refuse_a_folder_beside_a_run(directory, self.named)
     if not found.ours:
       unsealed = found.foreign + found.empty
       what = (f"its step folder{'s' if len(unsealed) > 1 else ''} {', '.join(map(str, sorted(unsealed)[:5]))} "
@@ -158,3 +160,24 @@ def one_line(what: str, call):
   except Exception as e:
     first = (str(e).strip().splitlines() or [""])[0][:300]
     raise CheckpointError(f"cannot {what}: {type(e).__name__}: {first}") from None
+
+
+def _refuse_a_folder_beside_a_run(directory: str, named: str) -> None:
+  """CheckpointError naming the run folder where `directory`, holding no step, is a step folder of a run or lies in
+  one, or holds run folders (runs/): the folder to give instead."""
+  step = stepdirs.step_folder_at(directory)
+  if step is not None:
+    run = os.path.dirname(step)
+    where = "is" if os.path.realpath(directory) == step else "lies in"
+    raise CheckpointError(f"{named} {where} the step folder {step} of the run in {run}, not a run's folder: give "
+                          f"--ckpt-dir {run} (its newest intact step is read)")
+  def a_run(name: str) -> bool:
+    try:
+      return os.path.isdir(os.path.join(directory, name)) and stepdirs.holds_run(os.path.join(directory, name))
+    except OSError:  # a folder this user cannot list is not offered
+      return False
+  runs = sorted(n for n in os.listdir(directory) if a_run(n))
+  if runs:
+    raise CheckpointError(f"{named} holds no checkpoint of its own but the run folders {', '.join(runs[:3])}"
+                          f"{', ...' if len(runs) > 3 else ''}: give --ckpt-dir one of them, e.g. --ckpt-dir "
+                          f"{os.path.join(directory, runs[-1])}")

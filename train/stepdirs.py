@@ -250,6 +250,16 @@ def holds_run(folder: str) -> bool:
       re.fullmatch(f"({STEP})\\.corrupt-\\d+", n) for n in names)
 
 
+def runs_own_file(path: str, ckpt_dir: str | None = None) -> bool:
+  """Whether `path` names a file a checkpointed run keeps for itself in its folder (its lock file, which is emptied
+  on release, a journal, or a step's name): in `ckpt_dir`, or in an existing folder that holds_run. Another file
+  written there would be emptied, read as a journal, or taken for a step."""
+  parent, name = os.path.split(os.path.realpath(path))
+  ours = name in (LOCK_FILE, JOURNAL, REMOVAL_JOURNAL) or re.fullmatch(_STEP_NAME, name) is not None
+  in_run = ckpt_dir is not None and parent == os.path.realpath(ckpt_dir) or os.path.isdir(parent) and holds_run(parent)
+  return ours and in_run
+
+
 def step_folder_at(path: str) -> str | None:
   """The step folder of a checkpointed run that `path` is, or lies in (a file or folder, existing or not), else
   None: a folder holding MANIFEST, or one named as a step (`7`, `7.saving`, `7.removing`, `7.corrupt-1`) in a folder
