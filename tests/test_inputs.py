@@ -394,7 +394,7 @@ def test_nnx_keys_and_values_of_other_features_are_named():
     ("n_layer", "4", "an int >= 1"), ("n_kv_head", 0, "an int >= 1, or None for n_head"),
     ("max_segments", 0, "an int >= 1, or None for seq_len"), ("dropout", 1.5, r"a number in \[0, 1\)"),
     ("dropout", True, r"a number in \[0, 1\)"), ("causal", "yes", "True or False"),
-    ("tie_embeddings", 1, "True or False"), ("backend", "flash", "one of auto, naive, xla, cudnn, te, te-fp8"),
+    ("tie_embeddings", 1, "True or False"), ("backend", "flash", "one of auto, naive, xla, cudnn, te, te-fp8, splash"),
     ("fp8_core", "maybe", "one of fp8, fp8-or-bf16, bf16"), ("dtype", "float99", "a floating dtype's name, e.g. 'bfloat16' or 'float32'"),
     ("param_dtype", "int32", "a floating dtype's name, e.g. 'bfloat16' or 'float32'"),
 ])
