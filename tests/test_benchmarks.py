@@ -554,13 +554,15 @@ def test_step_benchmarks_refuse_an_attention_kernel_that_cannot_run_in_one_line(
 
 @pytest.mark.slow
 def test_train_benchmark_exits_non_zero_when_every_run_failed(tmp_path):
-  """Each run's reason is printed, no report replaces one already in --out, and the exit status says so."""
+  """Each run's reason is printed, no report replaces one already in --out, and the exit status says so (a --data
+  too short for --seq-len: it exists, so the benchmark's own check passes it, and each run refuses it)."""
+  (tmp_path / "short.txt").write_text("forty bytes of text, too few for T = 32.")
   proc = subprocess.run([sys.executable, "-m", "benchmarks.train", "--preset", "tiny", "--backends", "xla",
                          "--steps", "2", "--seq-len", "32", "--batch-size", "4", "--matmul-n", "64",
-                         "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path)], cwd=ROOT,
+                         "--data", str(tmp_path / "short.txt"), "--out", str(tmp_path)], cwd=ROOT,
                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
   assert proc.returncode == 1 and "every run failed (1)" in proc.stderr, proc.stderr[-1500:]
-  assert "missing.txt" in proc.stdout and not (tmp_path / "train.json").exists()  # the reason shown, no report
+  assert "too little for --seq-len 32" in proc.stdout and not (tmp_path / "train.json").exists()  # reason, no report
 
 
 def test_vs_cudnn_is_set_before_the_table_is_printed(capsys):
