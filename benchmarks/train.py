@@ -82,10 +82,9 @@ def run_one(backend: str, preset: str, seq_len: int, batch_size: int, steps: int
     return row | {"status": "unavailable" if unavailable else "error", "reason": _reasons(proc.stderr) or reason}
   s = metrics.loads([line for line in records if line.startswith('{"event": "summary"')][-1])
   model = models.preset(preset, seq_len=seq_len)
-  per_token = models.flops_per_token(model, s["params_for_flops"], seq_len)
-  model_flops = model_flop_rate(backend, s["tokens_per_s"], per_token)
+  per_token = models.flops_per_token(model, s["params_for_flops"], seq_len)  # model_tflops: main, after the runs
   return row | {"status": "ok", "steps_per_s": s["steps_per_s"], "tokens_per_s": s["tokens_per_s"],
-                "mfu": s["mfu"], "model_tflops": model_flops / 1e12,
+                "mfu": s["mfu"], "flops_per_token": per_token,
                 "time_to_first_step_s": s["time_to_first_step_s"],
                 "peak_memory_gib": s["peak_memory_bytes"] and s["peak_memory_bytes"] / 2**30,
                 "final_loss": s["final_loss"], "val_loss": s.get("final_val_loss"),
@@ -150,8 +149,6 @@ def main(argv=None) -> None:
   except (FileNotFoundError, ValueError) as e:
     p.error(str(e))
   a.seq_len = a.seq_len or [models.PRESETS[a.preset].seq_len]
-  if a.matmul_n is None:
-    a.matmul_n = common.yardstick_n()
   if len(a.batch_size) not in (1, len(a.seq_len)):
     p.error(f"--batch-size takes one value or one per --seq-len ({len(a.seq_len)}); got {a.batch_size}")
   batches = a.batch_size * len(a.seq_len) if len(a.batch_size) == 1 else a.batch_size
@@ -163,7 +160,12 @@ def main(argv=None) -> None:
           rows.append(run_one(backend, a.preset, seq_len, batch_size, a.steps, a.run_timeout, packing, a.data,
                               evaluate="packed" in a.packing, bias=bias))
           print(json.dumps(rows[-1]), flush=True)
-  # after the runs: this process takes the GPU only once the children have let it go
+  # after the runs: this process opens the device (its peak, the yardstick) only once the children have let it
+  # go, as a TPU admits one process at a time
+  a.matmul_n = common.yardstick_n() if a.matmul_n is None else a.matmul_n
+  for r in rows:
+    if r["status"] == "ok":  # raises above the device's peak
+      r["model_tflops"] = model_flop_rate(r["backend"], r["tokens_per_s"], r["flops_per_token"]) / 1e12
   matmul = common.matmul_tflops(n=a.matmul_n)
   with clocks.Sampler() as gpu:  # the 20-call yardstick is too short to sample: the same matmul for 200 calls
     sustained = common.matmul_tflops(n=a.matmul_n, calls=200)

@@ -144,6 +144,35 @@ def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
   assert "sm_mhz" in md and (xla["busy_samples"], xla["sm_mhz"]) == (0, None)  # no nvidia-smi here: no clocks
 
 
+OPENS_NO_DEVICE = """
+import sys
+from jax._src import xla_bridge
+from benchmarks import train
+opened = []
+def run_one(backend, preset, seq_len, batch_size, *args, **kwargs):
+  opened.append(xla_bridge.backends_are_initialized())
+  return {"backend": backend, "preset": preset, "seq_len": seq_len, "batch_size": batch_size, "packing": "unpacked",
+          "bias": "with", "status": "ok", "steps_per_s": 1.0, "tokens_per_s": 128.0, "mfu": None,
+          "flops_per_token": 1e6, "time_to_first_step_s": 1.0, "peak_memory_gib": None, "final_loss": 5.0,
+          "val_loss": None, "attention_notes": None, "sm_mhz": None, "power_w": None, "power_capped_share": None,
+          "busy_samples": 0}
+train.run_one = run_one
+train.main(["--preset", "tiny", "--backends", "xla", "naive", "--seq-len", "32", "--batch-size", "4",
+            "--matmul-n", "64", "--out", sys.argv[1]])
+print("device opened during the runs:", opened)
+"""
+
+
+def test_the_train_benchmark_opens_no_device_until_its_runs_end(tmp_path):
+  """A TPU admits one process at a time: the parent leaves the device to the training runs it starts, and takes it
+  (the peak behind model FLOP/s, the yardstick matmul) only after the last."""
+  proc = subprocess.run([sys.executable, "-c", OPENS_NO_DEVICE, str(tmp_path)], cwd=ROOT, capture_output=True,
+                        text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+  assert "device opened during the runs: [False, False]" in proc.stdout, proc.stdout[-800:] + proc.stderr[-1500:]
+  rows = json.load(open(tmp_path / "train.json"))["rows"]
+  assert [r["model_tflops"] for r in rows] == [128.0 * 1e6 / 1e12] * 2  # filled in after the runs
+
+
 def test_a_training_rate_above_the_devices_peak_stops_the_benchmark(monkeypatch):
   """Training rows are checked against the dense peak as per-call rates are: bf16's, FP8's for te-fp8."""
   from benchmarks import flops
