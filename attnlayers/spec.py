@@ -243,28 +243,29 @@ def _check_broadcast(name: str, x, target: tuple[int, ...], letters: str) -> tup
   return shape
 
 
+def _check_positive(name: str, value, what: str, optional: bool = True) -> None:
+  """ValueError unless `value` is a positive int, numpy's too (or None, where `optional`); `what` follows "a positive
+  int" in the message."""
+  if (value is not None or not optional) and (not is_integer(value) or value <= 0):
+    raise ValueError(f"{name} must be a positive int{what}; got {value!r}")
+
+
 def check_num_heads(num_heads) -> None:
-  """A layer's num_heads: a positive int, numpy's too (it divides the features and the key/value heads divide it)."""
-  if not is_integer(num_heads) or num_heads <= 0:
-    raise ValueError(f"num_heads must be a positive int (the query heads: 1 or more, dividing the qkv "
-                     f"features); got {num_heads!r}")
+  """A layer's num_heads: a positive int (it divides the features and the key/value heads divide it)."""
+  _check_positive("num_heads", num_heads, " (the query heads: 1 or more, dividing the qkv features)", optional=False)
 
 
 def check_features(**features) -> None:
   """A layer's feature sizes (in_features, and qkv_features, out_features, in_kv_features where given): positive
-  ints, numpy's too. Flax's class divides by in_features in its initializer (ZeroDivisionError at 0) and formats a
-  str into its own error message (a TypeError that names neither)."""
+  ints. Flax's class divides by in_features in its initializer (ZeroDivisionError at 0) and formats a str into its
+  own error message (a TypeError that names neither)."""
   for name, value in features.items():
-    if value is not None and (not is_integer(value) or value <= 0):
-      raise ValueError(f"{name} must be a positive int (features of each input position); got {value!r}")
+    _check_positive(name, value, " (features of each input position)")
 
 
 def check_num_kv_heads(num_kv_heads) -> None:
-  """A layer's num_kv_heads: None (= num_heads) or a positive int, numpy's too (its divisibility is checked with
-  num_heads)."""
-  if num_kv_heads is not None and (not is_integer(num_kv_heads) or num_kv_heads <= 0):
-    raise ValueError(f"num_kv_heads must be a positive int that divides num_heads (or None for num_heads); "
-                     f"got {num_kv_heads!r}")
+  """A layer's num_kv_heads: None (= num_heads) or a positive int (its divisibility is checked with num_heads)."""
+  _check_positive("num_kv_heads", num_kv_heads, " that divides num_heads (or None for num_heads)")
 
 
 def _is_key(x) -> bool:
