@@ -36,8 +36,8 @@ PACK_NOTE = ("`packing`: unpacked windows of one text, or packed documents (trai
              "a ratio is always against a row with the same biases.")
 CLOCK_COLS = ("sm_mhz", "power_w", "power_capped_share", "busy_samples")  # per run, from benchmarks.clocks
 FP8_CORE = "fp8-or-bf16"  # te-fp8 rows: FP8 core where the model's head dim qualifies, else bf16
-COLUMN_NOTE = ("`vs_cudnn`: tokens_per_s over the cudnn run's of the same preset, shape, packing and biases (same "
-               "process). "
+COLUMN_NOTE = ("`vs_cudnn`, `vs_xla`: tokens_per_s over the cudnn (xla) run's of the same preset, shape, packing and "
+               "biases (same benchmark). "
                "`mfu`: nanoGPT/PaLM model FLOPs (6N + 12·L·n_head·head_dim·T per token, full attention square "
                "even for causal) over the datasheet dense bf16 peak. `vs_matmul`: the same model FLOP/s over a "
                "bf16 matmul of size `matmul_n`³ timed by this benchmark's parent process after the runs (20 calls, "
@@ -110,8 +110,9 @@ def _reasons(stderr: str) -> str:
 
 def table(rows: list[dict]) -> str:
   cols = ["backend", "preset", "fp8_core", "packing", "bias", "seq_len", "batch_size", "status", "steps_per_s", "tokens_per_s",
-          "vs_unpacked", "vs_cudnn", "mfu", "vs_matmul", "vs_sustained_matmul", "time_to_first_step_s", "peak_memory_gib",
+          "vs_unpacked", "vs_cudnn", "vs_xla", "mfu", "vs_matmul", "vs_sustained_matmul", "time_to_first_step_s", "peak_memory_gib",
           "final_loss", "val_loss", *CLOCK_COLS]
+  cols = [c for c in cols if any(r.get(c) is not None for r in rows)]  # e.g. no vs_cudnn or fp8_core on a TPU
   reasons = [f"\n{r['backend']}: {r['reason']}" for r in rows if r["status"] != "ok"]
   notes = sorted({f"\n{r['backend']} T={r['seq_len']}: {r['attention_notes']}" for r in rows if r.get("attention_notes")})
   return report.markdown_table(rows, cols) + "\n" + "\n".join(reasons + notes)
@@ -181,7 +182,8 @@ def main(argv=None) -> None:
       if r["packing"] == "packed" and unpacked:
         r["vs_unpacked"] = r["tokens_per_s"] / unpacked[0]["tokens_per_s"]
   print(json.dumps(env), flush=True)
-  add_vs_cudnn(rows)
+  for base in ("cudnn", "xla"):
+    add_vs(rows, base)
   print(table(rows))
   if all(r["status"] == "error" for r in rows):  # nothing measured: an earlier report in --out stays
     sys.exit(f"every run failed ({len(rows)}): see the reasons above; nothing written to {a.out}")
@@ -189,20 +191,20 @@ def main(argv=None) -> None:
   print(f"wrote train.md, train.json, train.csv and the tokens/s plots to {a.out}", flush=True)
 
 
-def add_vs_cudnn(rows: list[dict]) -> None:
-  """vs_cudnn: each ok row's tokens/s over the same-run cudnn row of the same shape, packing and biases (rows
-  from before the bias column count as with them)."""
+def add_vs(rows: list[dict], base: str) -> None:
+  """vs_<base>: each ok row's tokens/s over the same-run row of backend `base` of the same shape, packing and
+  biases (rows from before the bias column count as with them)."""
   for r in rows:
-    base = [c for c in rows if c["backend"] == "cudnn" and c["status"] == "ok"
+    same = [c for c in rows if c["backend"] == base and c["status"] == "ok"
             and all(c[k] == r[k] for k in ("preset", "seq_len", "batch_size", "packing"))
             and c.get("bias", "with") == r.get("bias", "with")]
-    if r["status"] == "ok" and base:
-      r["vs_cudnn"] = r["tokens_per_s"] / base[0]["tokens_per_s"]
+    if r["status"] == "ok" and same:
+      r[f"vs_{base}"] = r["tokens_per_s"] / same[0]["tokens_per_s"]
 
 
 def write(out: str, env: dict, rows: list[dict]) -> None:
   """train.json, .csv, .md and one tokens/s plot per sequence length, from the runs' rows (each names its
-  preset), as main fills them in (vs_cudnn: add_vs_cudnn)."""
+  preset), as main fills them in (vs_cudnn, vs_xla: add_vs)."""
   os.makedirs(out, exist_ok=True)
   report.write_json(os.path.join(out, "train.json"), env, rows)
   report.write_csv(os.path.join(out, "train.csv"), rows)

@@ -277,7 +277,7 @@ def test_train_benchmark_runs_the_model_without_biases_beside_it(tmp_path):
   rows = {r["bias"]: r for r in json.load(open(tmp_path / "train.json"))["rows"]}
   assert rows["with"]["status"] == rows["without"]["status"] == "ok", rows
   assert rows["with"]["final_loss"] != rows["without"]["final_loss"]  # two models, not one run twice
-  assert "| xla | tiny |  | unpacked | without |" in (tmp_path / "train.md").read_text()
+  assert "| xla | tiny | unpacked | without |" in (tmp_path / "train.md").read_text()  # no fp8_core column: no te-fp8 row
 
 
 
@@ -594,14 +594,19 @@ def test_train_benchmark_exits_non_zero_when_every_run_failed(tmp_path):
   assert "too little for --seq-len 32" in proc.stdout and not (tmp_path / "train.json").exists()  # reason, no report
 
 
-def test_vs_cudnn_is_set_before_the_table_is_printed(capsys):
-  """The printed table and the written report carry the same vs_cudnn (it was filled in only when writing)."""
+def test_same_run_ratios_are_set_before_the_table_is_printed(capsys):
+  """The printed table and the written report carry the same vs_cudnn and vs_xla (vs_cudnn was once filled in only
+  when writing); a column no row fills is left out."""
   from benchmarks import train as bench_train
   row = {"preset": "p", "seq_len": 8, "batch_size": 2, "packing": "unpacked", "bias": "with", "status": "ok"}
-  rows = [row | {"backend": "cudnn", "tokens_per_s": 100.0}, row | {"backend": "te-fp8", "tokens_per_s": 105.0}]
-  bench_train.add_vs_cudnn(rows)
-  assert [r["vs_cudnn"] for r in rows] == [1.0, 1.05]
-  assert "| 1.05 |" in bench_train.table(rows)
+  rows = [row | {"backend": "cudnn", "tokens_per_s": 100.0}, row | {"backend": "te-fp8", "tokens_per_s": 105.0},
+          row | {"backend": "xla", "tokens_per_s": 50.0}, row | {"backend": "splash", "seq_len": 16, "tokens_per_s": 9.0}]
+  for base in ("cudnn", "xla"):
+    bench_train.add_vs(rows, base)
+  assert [r.get("vs_cudnn") for r in rows] == [1.0, 1.05, 0.5, None]  # no cudnn row at T=16
+  assert [r.get("vs_xla") for r in rows] == [2.0, 2.1, 1.0, None]
+  text = bench_train.table(rows)
+  assert "| 1.05 |" in text and "| 2.1 |" in text and "vs_unpacked" not in text and "fp8_core" not in text
 
 
 @pytest.mark.parametrize("make", [
