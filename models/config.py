@@ -187,6 +187,10 @@ PRESETS: dict[str, GPTConfig] = {
     # ~1.07B (0.97B in the blocks + the tied 50304 x 2048 embedding): where FP8 is meant to pay; head dim 128
     # (the FP8 attention core's), GQA with 4 key/value heads, a 2048-token context
     "gpt-1b": GPTConfig(seq_len=2048, n_layer=22, n_head=16, n_kv_head=4, d_model=2048),
+    # ~7.27B (7.05B in the blocks): Mistral-7B's width, heads and GQA (d_model 4096, 32 heads of dim 128, 8 key/value
+    # heads, a 4096-token context), 40 blocks where it has 32, as its SwiGLU MLP has three matrices and this GELU
+    # MLP two; the scaling model's larger size (benchmarks.scaling, docs/scaling.md)
+    "gpt-7b": GPTConfig(seq_len=4096, n_layer=40, n_head=32, n_kv_head=8, d_model=4096),
 }
 
 
