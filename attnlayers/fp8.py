@@ -14,12 +14,18 @@ FP8Meta *is* its new value (TE's custom VJP hands back the updated quantizers), 
 step differentiates with respect to FP8Meta too and assigns the result; train/step.py does
 (train/loop.py checkpoints the state with the parameters). Current scaling keeps no state.
 
+Several devices: `mesh_axes(dp=..., fsdp=..., tp=...)` names the mesh axes (TE's MeshResource) for the
+calls traced inside it; TE's GEMMs then reduce their amaxes over the whole mesh, so every device scales
+with the same factors. Without it they run as on one device.
+
 TransformerEngine is imported only inside calls, so this module imports without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.util
 
 import jax.numpy as jnp
 from flax import nnx
@@ -112,11 +118,33 @@ class TEFp8DotGeneral(nnx.Module):
       raise FP8Unavailable(reasons)
     from transformer_engine.jax import autocast
     from transformer_engine.jax.dense import dense
-    from transformer_engine.jax.sharding import MeshResource
     te_recipe = self.recipe.te_recipe()
-    with autocast(enabled=True, recipe=te_recipe, mesh_resource=MeshResource()):
+    with autocast(enabled=True, recipe=te_recipe, mesh_resource=_mesh_resource()):
       return dense(lhs, rhs, None, contracting_dims=(tuple(lhs_contract), tuple(rhs_contract)),
                    quantizer_set=self._quantizer_set(te_recipe))
+
+
+def _mesh_resource():
+  """The MeshResource of the enclosing mesh_axes (TE's global one), or an empty one (one device): TE's autocast
+  sets the one it is given for the calls inside it."""
+  from transformer_engine.jax.sharding import MeshResource, global_mesh_resource
+  try:
+    return global_mesh_resource() or MeshResource()
+  except AssertionError:  # newer TE: none set
+    return MeshResource()
+
+
+@contextlib.contextmanager
+def mesh_axes(dp: str | None = None, fsdp: str | None = None, tp: str | None = None):
+  """TE's MeshResource for the calls traced inside: the mesh axes the batch is split over (dp, fsdp; fsdp also
+  splits the weights) and the heads (tp). TE's FP8 GEMMs and attention read it to place their collectives (amax
+  reductions over every axis). A no-op where TransformerEngine is not installed."""
+  if importlib.util.find_spec("transformer_engine") is None:
+    yield
+    return
+  from transformer_engine.jax.sharding import MeshResource, global_shard_guard
+  with global_shard_guard(MeshResource(dp_resource=dp, fsdp_resource=fsdp, tp_resource=tp)):
+    yield
 
 
 def core_history(recipe: FP8Recipe) -> FP8Meta:

@@ -32,6 +32,11 @@ Added call arguments: `segment_ids=` (packed documents: (*batch, T) ids, 0 = pad
 pair (q ids, kv ids) for cross-attention; see attnlayers.attention), `max_segments=` (the most
 documents a row holds; te runs B * max_segments sequences) and `sliding_window=`.
 
+Several devices: under Flax logical axis rules (nnx.logical_axis_rules) and a mesh (jax.set_mesh), q
+(B, T, N, H) is constrained to the names ("batch", "length", "heads", "head_dim") and k, v to
+("batch", "length", "kv_heads", "head_dim"), so that heads split over a mesh axis stay split through
+the attention; without rules the layer adds no constraint.
+
 Decoding (attnlayers.kv_cache says why it differs from Flax's cache):
 
   layer.init_cache((*batch, max_length, in_features))   # dtype: the layer's dtype (None: float32, as Flax)
@@ -55,7 +60,7 @@ import functools
 import inspect
 
 import jax.numpy as jnp
-from flax import nnx
+from flax import linen, nnx
 
 from attnlayers import backends, fp8, kv_cache, projection, spec
 from attnlayers.flax_attention import BackendAttention
@@ -219,6 +224,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       value = projection.heads(self.value, inputs_v, qkv_sharding)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
+    query, key, value = _placed(query, "heads"), _placed(key, "kv_heads"), _placed(value, "kv_heads")
     attend = {"is_causal": is_causal}
     if cache:
       if query.shape[:-2] != key.shape[:-2]:
@@ -263,6 +269,17 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     sizes = [n * h for n, h in heads]
     parts = jnp.split(y, [sizes[0], sizes[0] + sizes[1]], axis=-1)
     return tuple(part.reshape(*part.shape[:-1], *hs) for part, hs in zip(parts, heads))  # (*batch, T, heads, H)
+
+
+def _placed(x, heads: str):
+  """x (B, T, heads, H) where Flax's logical axis rules put the names ("batch", "length", `heads`, "head_dim") on
+  a mesh (nnx.logical_axis_rules inside a mesh context), so that the partitioner keeps each device's heads on it
+  through the attention; as it is with no rules or no mesh, where the rules leave out one of the names, and with
+  other batch dims."""
+  if x.ndim != 4:
+    return x
+  return linen.with_logical_constraint(x, ("batch", "length", heads, "head_dim"),
+                                       fallback=linen.spmd.RulesFallback.NO_CONSTRAINT)
 
 
 def _keywords(method, internal: set[str]) -> list[str]:

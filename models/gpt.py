@@ -40,6 +40,18 @@ from models.ops.bias_gelu import bias_gelu, gelu_of_gemm
 from models.ops.layernorm import residual_norm
 
 
+def axes(*names: str) -> dict:
+  """A parameter's logical axis names as Flax's sharding metadata (`out_sharding`, what nnx.with_partitioning
+  sets), for a layer's `*_metadata` argument. A mesh's rules map them to its axes (train.mesh.RULES); the
+  parameter is made as it is without a mesh (eager_sharding off), so the model runs on no mesh too."""
+  return {"out_sharding": names, "eager_sharding": False}
+
+
+def _layer_norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  return nnx.LayerNorm(cfg.d_model, dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype),
+                       use_bias=cfg.bias, scale_metadata=axes("norm"), bias_metadata=axes("norm"), rngs=rngs)
+
+
 class Block(nnx.Module):
   def __init__(self, cfg: GPTConfig, layer: int, *, rngs: nnx.Rngs):
     init = nnx.initializers.normal(0.02)
@@ -47,19 +59,25 @@ class Block(nnx.Module):
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     self.max_segments = cfg.max_segments  # bound on documents per packed row (attnlayers max_segments)
     self.kernels = cfg.kernels  # its LayerNorms' and bias + GELU's (models.ops)
-    self.ln1 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, rngs=rngs)
+    self.ln1 = _layer_norm(cfg, rngs)
     recipe = FP8Recipe(core=cfg.fp8_core) if cfg.backend == "te-fp8" else None  # te-fp8: every GEMM but the head
     self.attn = MultiHeadAttention(
         cfg.n_head, cfg.d_model, num_kv_heads=cfg.n_kv_head, backend=cfg.backend, is_causal=cfg.causal,
         decode=False, sliding_window=cfg.layer_window(layer), dtype=dt, param_dtype=pdt, use_bias=cfg.bias,
-        kernel_init=init,
-        out_kernel_init=proj_init, fp8_recipe=recipe, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, rngs=rngs)
+        kernel_init=init, out_kernel_init=proj_init, fp8_recipe=recipe, rngs=rngs,
+        kernel_metadata=axes("embed", "heads", "head_dim"), bias_metadata=axes("heads", "head_dim"),
+        out_kernel_metadata=axes("heads", "head_dim", "embed"), out_bias_metadata=axes("embed"))
+    for proj in (self.attn.key, self.attn.value):  # Flax's layer gives q, k and v one kernel_metadata
+      proj.kernel.set_metadata(out_sharding=("embed", "kv_heads", "head_dim"))
+      if proj.bias is not None:
+        proj.bias.set_metadata(out_sharding=("kv_heads", "head_dim"))
+    self.ln2 = _layer_norm(cfg, rngs)
     hidden = cfg.mlp_ratio * cfg.d_model
     self.fc = nnx.Linear(cfg.d_model, hidden, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, kernel_init=init,
-                         rngs=rngs)
+                         kernel_metadata=axes("embed", "mlp"), bias_metadata=axes("mlp"), rngs=rngs)
     self.proj = nnx.Linear(hidden, cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias,
-                           kernel_init=proj_init, rngs=rngs)
+                           kernel_init=proj_init, kernel_metadata=axes("mlp", "embed"), bias_metadata=axes("embed"),
+                           rngs=rngs)
     if recipe is not None:  # the MLP's two GEMMs (two thirds of the block's matmul FLOPs) in FP8 too
       use_fp8_dense(self.fc, recipe)
       use_fp8_dense(self.proj, recipe)
@@ -98,13 +116,16 @@ class GPT(nnx.Module):
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     # Lookups run in the parameter dtype and are cast after: their gradient is a scatter-add,
     # which on GPUs is native in float32 but emulated, and far slower, in bfloat16.
-    self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init, rngs=rngs)
-    self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init, rngs=rngs)
+    self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init,
+                         embedding_metadata=axes("vocab", "embed"), rngs=rngs)
+    self.wpe = nnx.Embed(cfg.seq_len, cfg.d_model, dtype=pdt, param_dtype=pdt, embedding_init=init,
+                         embedding_metadata=axes("position", "embed"), rngs=rngs)
     self.drop = nnx.Dropout(cfg.dropout)
     self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layer)])
-    self.ln_f = nnx.LayerNorm(cfg.d_model, dtype=dt, param_dtype=pdt, use_bias=cfg.bias, rngs=rngs)
+    self.ln_f = _layer_norm(cfg, rngs)
     self.head = None if cfg.tie_embeddings else nnx.Linear(
-        cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=init, rngs=rngs)
+        cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dt, param_dtype=pdt, kernel_init=init,
+        kernel_metadata=axes("embed", "vocab"), rngs=rngs)
 
   def init_cache(self, batch: int, max_length: int, dtype=None) -> None:
     """An empty KV cache of `max_length` positions for `batch` rows in every block (dtype: the compute dtype)."""

@@ -31,7 +31,7 @@ from attnlayers import device, spec
 from train.flags import Help, Parser, address, int_at_least, path, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import (checkpoint, config, data, diskspace, hosts, lock, loop, metrics, overlap, report, signals,
+from train import (checkpoint, config, data, diskspace, hosts, lock, loop, mesh, metrics, overlap, report, signals,
                    stepdirs, tokenizers, undo)
 
 RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
@@ -118,6 +118,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--profile-dir", type=path("leave out --profile-dir to write no trace"),
                  help=f"write a profiler trace of the run's steps {first}-{last} here (perfetto_trace.json.gz + "
                       "xplane); default: none")
+  p.add_argument("--mesh", metavar="AXIS=SIZE,...",
+                 help="how the devices split the work: data=D (batch rows), fsdp=F (batch rows, and the parameters and "
+                      "optimizer state), tensor=T (attention heads, MLP width, vocabulary), any of them, comma-"
+                      "separated; the sizes multiply to the device count (train.mesh); default: every device on data")
   p.add_argument("--coordinator-address", type=address("leave out --coordinator-address for a run on one host"),
                  help="multi-host: host:port of process 0 (with --num-processes, --process-id)")
   p.add_argument("--num-processes", type=one, help="multi-host: how many processes")
@@ -308,7 +312,7 @@ def _config(a: argparse.Namespace, model: models.GPTConfig, walk: data.Walk) -> 
         eval_every=a.eval_every, log_every=a.log_every,
         metrics=a.metrics, sample_tokens=_sample_tokens(a.sample_tokens, model.seq_len), peak_tflops=a.peak_tflops,
         progress=a.progress,
-        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack)
+        profile_dir=a.profile_dir, allow_change=tuple(a.allow_change), pack=a.pack, mesh=a.mesh)
   except ValueError as e:
     raise ValueError("; ".join([str(e), *outside])) from None
   if outside:
@@ -324,6 +328,7 @@ class Start:
   model: models.GPTConfig | None = None
   cfg: config.TrainConfig | None = None
   made: list[str] = dataclasses.field(default_factory=list)  # folders above the run's own folder made for it (RUNS)
+  mesh: dict[str, int] | None = None  # each mesh axis's size (train.mesh), once the devices are known
 
   @property
   def fresh(self) -> bool:
@@ -378,6 +383,15 @@ def _joined_unlike_process_0(s: Start) -> str | None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes talk through gloo
   jax.distributed.initialize(s.a.coordinator_address, num_processes=s.a.num_processes, process_id=s.a.process_id)
   return _settings_unlike_process_0(s.cfg)
+
+
+def _mesh_unfit(s: Start) -> str | None:
+  """Why --mesh cannot split the run over the devices (every process's, once joined), with what would."""
+  try:
+    s.mesh = mesh.parse(s.a.mesh, jax.device_count())
+  except mesh.MeshError as e:
+    return str(e)
+  return mesh.check(s.mesh, jax.device_count(), s.model, s.a.batch_size)
 
 
 def _runs_read_as_data(s: Start) -> str | None:
@@ -439,6 +453,7 @@ CHECKS = (
     _multihost_flags_apart,
     _process_id_out_of_range,
     _joined_unlike_process_0,
+    _mesh_unfit,
     _runs_read_as_data,
     _run_dir_made,
 )
@@ -504,8 +519,8 @@ def summary_line(summary: dict, metrics_path: str | None) -> str:
 def main(argv=None) -> None:
   s = start(argv)
   a, model, cfg = s.a, s.model, s.cfg
-  print(f"{model_line(a.preset, model)}\n{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}",
-        flush=True)
+  print(f"{model_line(a.preset, model)}\n{jax.device_count()} x {jax.devices()[0].device_kind}, mesh "
+        f"{mesh.describe(s.mesh)}, jax {jax.__version__}", flush=True)
   try:
     summary = loop.run(cfg, s.walk)
   except signals.Stopped as e:

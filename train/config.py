@@ -43,6 +43,7 @@ class TrainConfig:
   profile_dir: str | None = None  # write a profiler trace (perfetto + xplane) of PROFILE_WINDOW here
   allow_change: tuple[str, ...] = ()  # TRAJECTORY settings (and DATA) a resume may change; recorded in the metrics file
   pack: bool = False  # train on packed documents (train.packing); validation is unpacked windows either way
+  mesh: str | None = None  # --mesh "data=D,fsdp=F,tensor=T" (train.mesh); None: every device on data
 
   def __post_init__(self):
     finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)

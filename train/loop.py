@@ -1,4 +1,4 @@
-"""The training loop: data-parallel over every device, checkpointed, resumable, measured.
+"""The training loop: over every device on the run's mesh (train.mesh), checkpointed, resumable, measured.
 
 `run` reads as its steps: open the checkpoint folder and the output files (path problems
 surface here, before anything compiles), load data, build the model and optimizer, resume
@@ -30,13 +30,12 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 import models
 from models import ops
 from train import checkpoint, data, hosts, metrics, overlap, report, signals, stepdirs, tokenizers, undo
+from train import mesh as mesh_lib
 from train.config import PROFILE_WINDOW, TrainConfig
 from train.session import Batches, Session
 from train.step import build, lr
@@ -323,9 +322,8 @@ def _stopped(s: Session, step: int, saved: bool) -> signals.Stopped:
 
 
 def data_mesh(devices) -> jax.sharding.Mesh:
-  """The training mesh: one "data" axis over `devices`, Auto (XLA's SPMD partitioner places the work; with
-  jax 0.11's default Explicit axes TransformerEngine's sharding rules refuse te-fp8's step)."""
-  return jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+  """The mesh of `devices` all on the data axis (train.mesh.make; the run's default mesh)."""
+  return mesh_lib.make(mesh_lib.parse(None, len(devices)), devices)
 
 
 def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
@@ -357,13 +355,16 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
       cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
       attention = report.check_attention(cfg)  # the plans of the calls with this data's max_segments
-    if cfg.batch_size % jax.device_count():
-      raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the {jax.device_count()} devices")
-    mesh = data_mesh(jax.devices())
+    sizes = mesh_lib.parse(cfg.mesh, jax.device_count())  # train.cli checked --mesh; a cfg made elsewhere here
+    if (unfit := mesh_lib.check(sizes, jax.device_count(), cfg.model, cfg.batch_size)) is not None:
+      raise ValueError(unfit)
+    mesh = mesh_lib.make(sizes)
+    for line in mesh_lib.notices(sizes, cfg.model) if jax.process_index() == 0 else ():
+      print(line, flush=True)
     meta = {"model": cfg.model.architecture(), "seed": cfg.seed, "data": data.source(cfg.data),
             "data_content": dataset.content(), "pack": cfg.pack, "run": cfg.trajectory()}
     start, changes = _resume_point(cfg, ckpts, meta)
-    model, state = build(cfg, NamedSharding(mesh, P()))
+    model, state = build(cfg, mesh)
     if start:
       state = ckpts.restore(start, state)
       newest = ", the newest checkpoint that verifies" if ckpts.set_aside else ""
@@ -378,13 +379,14 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
     # the first records, once nothing can refuse the run any more: a refused run writes none
     out.write({"event": "start", "from_step": start, "steps": cfg.steps, "batch_size": cfg.batch_size,
                "seq_len": cfg.model.seq_len, "attention": cfg.model.backend, "devices": jax.device_count(),
+               "mesh": dict(mesh.shape),
                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})  # where a run (or a resume) begins in the file
     if start >= cfg.steps:
       print(f"step {start} of {cfg.steps} is done: nothing to train")
     throughput = metrics.Throughput(t_start, start, cfg.batch_size * cfg.model.seq_len,
                                     models.flops_per_token(cfg.model, model.n_params, cfg.model.seq_len),
                                     metrics.peak_flops(cfg.peak_tflops))
-    s = Session(cfg, model, Batches(dataset, cfg, NamedSharding(mesh, P("data"))), ckpts, meta, out, throughput,
+    s = Session(cfg, model, Batches(dataset, cfg, mesh_lib.batch_sharding(mesh)), ckpts, meta, out, throughput,
                 stop, start, attention)
     state, loss = _train(s, state)
     summary = report.summary(s, state, loss, dataset)

@@ -5,6 +5,7 @@ train.loop runs them; benchmarks.steady and benchmarks.step time them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -12,10 +13,13 @@ import jax
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import models
+from attnlayers import fp8 as fp8_lib
 from attnlayers.fp8 import FP8Meta
 from models.loss import head_cross_entropy
+from train import mesh as mesh_lib
 from train import optim
 from train.config import TrainConfig
 
@@ -51,22 +55,33 @@ class Model:
   lr_at: optax.Schedule  # the learning rate of each update, by 0-based index (lr below reads it)
   lr_device: jax.Device | None  # where lr computes it: the host's CPU (None: the default device)
   n_params: int  # as nanoGPT counts them for FLOPs
-  train_step: object  # (state, batch, step) -> (new state, loss); donates the old state
+  train_step: object  # (state, batch, step) -> (new state, loss); donates the old state; .lower(...) as jit's
   eval_loss: object  # (params, fp8, batch) -> loss, dropout off
 
 
-def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
-  """The model and optimizer, and the initial state {params, opt_state, fp8} on every device."""
+def build(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[Model, dict]:
+  """The model and optimizer, and the initial state {params, opt_state, fp8} laid out on `mesh` (train.mesh: each
+  parameter and its optimizer moments as its logical axis names ask; a NamedSharding names its mesh too).
+
+  The parameters are made as on one device, so that every mesh starts from the same numbers, and then placed;
+  the optimizer state is made in place, each device making its own part."""
+  mesh = getattr(mesh, "mesh", mesh)
   model = models.GPT(cfg.model, rngs=nnx.Rngs(cfg.seed))
   # fp8: FP8 scaling state (te-fp8 only, else empty); replaced by its gradient each step, never optimised
   graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
   if fp8 and jax.device_count() > 1:
-    raise ValueError(f"--attn te-fp8 trains on one device in this version (its amax reductions are not "
-                     f"wired across devices); have {jax.device_count()}")
+    raise ValueError(f"--attn te-fp8 trains on one device in this version (its amax reductions over the mesh are "
+                     f"wired but not yet run on GPUs); have {jax.device_count()}")
   tx = optim.adamw(cfg.lr, cfg.steps, cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip)
-  state = jax.device_put({"params": params, "opt_state": tx.init(params), "fp8": fp8}, replicated)
+  shardings = mesh_lib.state_shardings({"params": params, "opt_state": jax.eval_shape(tx.init, params), "fp8": fp8},
+                                       tx, mesh, cfg.model)
+  params = jax.device_put(params, shardings["params"])
+  state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params),
+           "fp8": jax.device_put(fp8, shardings["fp8"])}
+  whole = NamedSharding(mesh, P())
 
-  @functools.partial(jax.jit, donate_argnums=0, compiler_options=STEP_COMPILER_OPTIONS)  # donated: new state in old buffers
+  @functools.partial(jax.jit, donate_argnums=0, out_shardings=(shardings, whole),  # the state keeps its layout
+                     compiler_options=STEP_COMPILER_OPTIONS)  # donated: new state in old buffers
   def train_step(state, batch, step):
     key = jax.random.fold_in(jax.random.key(cfg.seed), step)  # dropout depends on (seed, step) only
     loss, (grads, fp8) = jax.value_and_grad(lambda p, f: batch_loss(graphdef, p, f, batch, key), argnums=(0, 1))(
@@ -75,9 +90,38 @@ def build(cfg: TrainConfig, replicated: NamedSharding) -> tuple[Model, dict]:
     return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "fp8": fp8}, loss
 
   eval_loss = jax.jit(lambda params, fp8, batch: batch_loss(graphdef, params, fp8, batch, None),
-                      compiler_options=STEP_COMPILER_OPTIONS)
+                      out_shardings=whole, compiler_options=STEP_COMPILER_OPTIONS)
   lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
-  return Model(graphdef, tx, lr_at, _host_cpu(), models.count_params(model), train_step, eval_loss), state
+  on = functools.partial(_OnMesh, mesh, mesh_lib.rules(mesh, cfg.model))
+  return Model(graphdef, tx, lr_at, _host_cpu(), models.count_params(model), on(train_step), on(eval_loss)), state
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnMesh:
+  """A jitted function called, and lowered, inside its mesh's contexts, where jit traces it: jax's mesh
+  (jax.set_mesh), the logical axis rules that place the attention's heads (attnlayers.nnx), and, on several
+  devices, TransformerEngine's mesh axes (te-fp8's amax reductions; attnlayers.fp8.mesh_axes)."""
+  mesh: jax.sharding.Mesh
+  rules: tuple  # train.mesh.rules of the model on the mesh
+  fn: object  # the jitted function
+
+  @contextlib.contextmanager
+  def context(self):
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(jax.set_mesh(self.mesh))
+      stack.enter_context(nnx.logical_axis_rules(self.rules))
+      if self.mesh.size > 1:
+        stack.enter_context(fp8_lib.mesh_axes(dp="data", fsdp="fsdp", tp="tensor"))
+      yield
+
+  def __call__(self, *args):
+    with self.context():
+      return self.fn(*args)
+
+  def lower(self, *args):
+    """jax's Lowered of the call (e.g. `.compile().as_text()`: the program each device runs, collectives included)."""
+    with self.context():
+      return self.fn.lower(*args)
 
 
 def _host_cpu() -> jax.Device | None:
