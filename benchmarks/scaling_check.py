@@ -1,0 +1,201 @@
+"""benchmarks.scaling's collective bytes against the compiler's: the training step compiled for 8 CPU devices on
+three meshes (data=8, fsdp=8, fsdp=4 x tensor=2), its collectives read from the HLO (benchmarks.collectives)
+beside what the model predicts for the same config, mesh and batch.
+
+The step is train.step.build's. build makes the weights, so for gpt-1b's and gpt-7b's shapes the same step is
+lowered from abstract arrays (jax.ShapeDtypeStruct with the trainer's shardings: compiled_step), nothing
+allocated; rows() first checks that the two compile to the same collectives on the tiny preset. Fewer layers
+than the preset's keep the compile short; the model is evaluated for the same layer count, so nothing is
+scaled. XLA's CPU backend runs bfloat16 matmuls in float32, so activations the step moves are float32 here.
+
+Each FSDP mesh compiles twice: as built, and with rows_split's what-if (the residual stream constrained to
+rows split over data x fsdp at every block), which shows what the partitioner does when told FSDP's layout.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import models
+import models.gpt
+from attnlayers.fp8 import FP8Meta
+from benchmarks import collectives, report, scaling
+from train import mesh as train_mesh
+from train import optim
+from train import step as step_lib
+from train.config import TrainConfig
+from train.step import batch_loss
+
+DEVICES = 8
+MESHES = ({"data": 8, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 8, "tensor": 1},
+          {"data": 1, "fsdp": 4, "tensor": 2})
+CONFIGS = (("tiny", None), ("gpt-1b", 2), ("gpt-7b", 2))  # preset, layers compiled (None: the preset's)
+LARGEST = 3  # collectives listed per compiled step
+AS_BUILT, ROWS_SPLIT = "as built", "rows split"
+RESIDUAL = (AS_BUILT, ROWS_SPLIT)  # the step as the trainer compiles it; and with rows_split's what-if
+
+
+def use_cpu_devices(n: int = DEVICES) -> None:
+  """Run this process's jax on n CPU devices. XLA reads the flag when jax starts its backend, so this must come
+  before anything asks jax for a device; raises where that has happened with another count."""
+  flag = f"--xla_force_host_platform_device_count={n}"
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), flag]).strip()
+  jax.config.update("jax_platforms", "cpu")
+  if jax.device_count() != n:
+    raise RuntimeError(f"benchmarks.scaling_check compiles for {n} CPU devices, and jax started with "
+                       f"{jax.device_count()} before it could set {flag}: run it in a fresh process")
+
+
+def trainer_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> str:
+  """The HLO text of train.step.build's own step, compiled for a mesh of `sizes` with `rows` rows of cfg.seq_len
+  per data-parallel rank. build makes the weights: for small configs only (compiled_step takes any size)."""
+  mesh = train_mesh.make(sizes)
+  model, state = step_lib.build(TrainConfig(model=cfg, batch_size=_batch(sizes, rows)), mesh)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  return model.train_step.lower(abstract, *_batch_args(cfg, sizes, rows, mesh)).compile().as_text()
+
+
+def compiled_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> str:
+  """trainer_step's HLO text without any weights: the same step (train.step.build's: value_and_grad of
+  batch_loss, AdamW, applied; the same shardings, out_shardings and mesh contexts), lowered from abstract arrays.
+  rows() checks that the two compile to the same collectives on the tiny preset."""
+  mesh = train_mesh.make(sizes)
+  model = nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
+  tx = optim.adamw(3e-4, 100, 10)
+  state = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "fp8": fp8}
+  shardings = train_mesh.state_shardings(state, tx, mesh, cfg)
+  abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
+  def train_step(state, batch, step):  # train.step.build's, without the dropout key (the presets have none)
+    loss, (grads, fp8) = jax.value_and_grad(lambda p, f: batch_loss(graphdef, p, f, batch, None), argnums=(0, 1))(
+        state["params"], state["fp8"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "fp8": fp8}, loss
+
+  jitted = jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, NamedSharding(mesh, P())),
+                   compiler_options=step_lib.STEP_COMPILER_OPTIONS)
+  on_mesh = step_lib._OnMesh(mesh, train_mesh.rules(mesh, cfg), jitted)  # the trainer's mesh contexts
+  return on_mesh.lower(abstract, *_batch_args(cfg, sizes, rows, mesh)).compile().as_text()
+
+
+def _batch(sizes: dict[str, int], rows: int) -> int:
+  return rows * sizes["data"] * sizes["fsdp"]
+
+
+def _batch_args(cfg: models.GPTConfig, sizes: dict[str, int], rows: int, mesh) -> tuple:
+  """A step's (batch, step) arguments, abstract: inputs and targets (B, T) split over the batch's mesh axes."""
+  token = jax.ShapeDtypeStruct((_batch(sizes, rows), cfg.seq_len), jnp.int32, sharding=train_mesh.batch_sharding(mesh))
+  return {"inputs": token, "targets": token}, jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def compare(name: str, layers: int | None, sizes: dict[str, int], residual: str = AS_BUILT,
+            rows: int = 1) -> tuple[list[dict], list[dict]]:
+  """For one preset, mesh and RESIDUAL variant: a row per collective kind, the HLO's count and bytes beside the
+  model's, and a row for reductions of either kind (XLA's CPU pipeline emits an all-reduce and a slice where a
+  GPU's emits a reduce-scatter); and the LARGEST collectives of the HLO by bytes, alike ones (kind, array,
+  jax operation) together."""
+  cfg = models.preset(name) if layers is None else dataclasses.replace(models.preset(name), n_layer=layers)
+  with rows_split(sizes) if residual == ROWS_SPLIT else contextlib.nullcontext():
+    found = collectives.parse(compiled_step(cfg, sizes, rows))
+  hlo = collectives.summarize(found)
+  model = scaling.transfers(cfg, sizes, rows, regather=False)
+  payload, count = scaling.per_kind(model), scaling.per_kind(model, lambda x: x.count)
+  key = {"preset": name, "layers": cfg.n_layer, "mesh": scaling.describe(sizes), "residual": residual}
+  row = lambda kind, h_count, h, m_count, m: key | {
+      "kind": kind, "hlo_count": h_count, "model_count": m_count, "hlo_bytes": h, "model_bytes": m,
+      "ratio": round(h / m, 4) if m else None}
+  out = [row(k, hlo[k]["count"], hlo[k]["payload"], count.get(k, 0), payload.get(k, 0))
+         for k in collectives.KINDS if hlo[k]["count"] or payload.get(k)]
+  reductions = ("all-reduce", "reduce-scatter")
+  if any(payload.get(k) for k in reductions) and sizes["fsdp"] > 1:
+    out.append(row(" + ".join(reductions), *(sum(f(k) for k in reductions) for f in (
+        lambda k: hlo[k]["count"], lambda k: hlo[k]["payload"], lambda k: count.get(k, 0),
+        lambda k: payload.get(k, 0)))))
+  alike = collections.defaultdict(lambda: [0, 0])
+  for c in found:
+    entry = alike[c.kind, _array(c), _op(c.op)]
+    entry[0] += 1
+    entry[1] += c.payload
+  top = sorted(alike.items(), key=lambda kv: -kv[1][1])[:LARGEST]
+  return out, [key | {"kind": k, "array": a, "op": op, "count": n, "bytes": b} for (k, a, op), (n, b) in top]
+
+
+@contextlib.contextmanager
+def rows_split(sizes: dict[str, int]):
+  """A what-if, not the trainer: while it lasts, every block of models.gpt constrains the residual stream it
+  takes and gives, (B, T, D), to rows split over the batch's mesh axes (data x fsdp), as FSDP assumes.
+  Without it the partitioner is free to split that stream otherwise, and with parameters split on their
+  embed axis it does (the as-built rows)."""
+  call = models.gpt.Block.__call__
+  rows = NamedSharding(train_mesh.make(sizes), P(train_mesh.BATCH))
+  split = lambda a: a if a is None else jax.lax.with_sharding_constraint(a, rows)
+
+  def constrained(self, x, y=None, *args, **kwargs):
+    return tuple(map(split, call(self, split(x), split(y), *args, **kwargs)))
+  models.gpt.Block.__call__ = constrained
+  try:
+    yield
+  finally:
+    models.gpt.Block.__call__ = call
+
+
+def same_as_trainer(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = 1) -> None:
+  """Raises unless compiled_step's program has trainer_step's collectives, one by one (kind, arrays, bytes)."""
+  ours, theirs = (collectives.parse(f(cfg, sizes, rows)) for f in (compiled_step, trainer_step))
+  key = lambda found: sorted((c.kind, c.arrays) for c in found)
+  if key(ours) != key(theirs):
+    raise AssertionError(f"on --mesh {scaling.describe(sizes)} the abstract step compiles to other collectives than "
+                         f"train.step.build's: {len(ours)} against {len(theirs)}; mirror train.step's changes here")
+
+
+def _array(c: collectives.Collective) -> str:
+  """The collective's largest array, and how many others it moves with it: 'f32[50304,2048] +35'."""
+  name = max(c.arrays, key=lambda a: a[1])[0] if c.arrays else "?"
+  return name + (f" +{len(c.arrays) - 1}" if len(c.arrays) > 1 else "")
+
+
+def _op(op: str) -> str:
+  """The jax operation a collective came from, less the step's name; 'combined' where XLA joined several."""
+  op = op.removeprefix("jit(train_step)/")
+  return f"{op.count(':') + 1} combined" if ":" in op else op
+
+
+def rows() -> tuple[list[dict], list[dict]]:
+  """compare's rows for every config of CONFIGS on every mesh of MESHES, on DEVICES CPU devices, once
+  compiled_step is seen to compile to trainer_step's collectives on the tiny preset."""
+  use_cpu_devices()
+  for sizes in MESHES:
+    same_as_trainer(models.preset("tiny"), sizes)
+  table, largest = [], []
+  for name, layers in CONFIGS:
+    for sizes in MESHES:
+      for residual in RESIDUAL if sizes["fsdp"] > 1 else RESIDUAL[:1]:
+        a, b = compare(name, layers, sizes, residual)
+        table += a
+        largest += b
+  return table, largest
+
+
+COLS = ["preset", "layers", "mesh", "residual", "kind", "hlo_count", "model_count", "hlo_bytes", "model_bytes", "ratio"]
+LARGEST_COLS = ["preset", "layers", "mesh", "residual", "kind", "array", "op", "count", "bytes"]
+
+
+def markdown(table: list[dict], largest: list[dict]) -> str:
+  return ("## The model against the compiled step\n\n"
+          "8 CPU devices; bytes: each collective's whole array (an all-gather's result, an all-reduce's or "
+          "reduce-scatter's operand) per device, summed over the step; model: benchmarks.scaling.transfers with "
+          "regather=False (the step keeps each gathered weight for its backward).\n\n"
+          + report.markdown_table(table, COLS)
+          + f"\n\n## The {LARGEST} largest collectives of each compiled step\n\n"
+          + report.markdown_table(largest, LARGEST_COLS))
