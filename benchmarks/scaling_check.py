@@ -1,4 +1,4 @@
-"""benchmarks.scaling's collective bytes against the compiler's: the training step compiled for 8 CPU devices on
+"""benchmarks.scaling_model's collective bytes against the compiler's: the training step compiled for 8 CPU devices on
 three meshes (data=8, fsdp=8, fsdp=4 x tensor=2), its collectives read from the HLO (benchmarks.collectives)
 beside what the model predicts for the same config, mesh and batch.
 
@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import models
 import models.gpt
 from attnlayers.fp8 import FP8Meta
-from benchmarks import collectives, report, scaling
+from benchmarks import collectives, report, scaling_model
 from train import mesh as train_mesh
 from train import optim
 from train import step as step_lib
@@ -109,9 +109,9 @@ def compare(name: str, layers: int | None, sizes: dict[str, int], residual: str 
   with rows_split(sizes) if residual == ROWS_SPLIT else contextlib.nullcontext():
     found = collectives.parse(compiled_step(cfg, sizes, rows))
   hlo = collectives.summarize(found)
-  model = scaling.transfers(cfg, sizes, rows, regather=False)
-  payload, count = scaling.per_kind(model), scaling.per_kind(model, lambda x: x.count)
-  key = {"preset": name, "layers": cfg.n_layer, "mesh": scaling.describe(sizes), "residual": residual}
+  predicted = scaling_model.transfers(cfg, sizes, rows, regather=False)
+  payload, count = scaling_model.per_kind(predicted), scaling_model.per_kind(predicted, lambda x: x.count)
+  key = {"preset": name, "layers": cfg.n_layer, "mesh": scaling_model.describe(sizes), "residual": residual}
   row = lambda kind, h_count, h, m_count, m: key | {
       "kind": kind, "hlo_count": h_count, "model_count": m_count, "hlo_bytes": h, "model_bytes": m,
       "ratio": round(h / m, 4) if m else None}
@@ -155,8 +155,9 @@ def same_as_trainer(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = 1)
   ours, theirs = (collectives.parse(f(cfg, sizes, rows)) for f in (compiled_step, trainer_step))
   key = lambda found: sorted((c.kind, c.arrays) for c in found)
   if key(ours) != key(theirs):
-    raise AssertionError(f"on --mesh {scaling.describe(sizes)} the abstract step compiles to other collectives than "
-                         f"train.step.build's: {len(ours)} against {len(theirs)}; mirror train.step's changes here")
+    raise AssertionError(f"on --mesh {scaling_model.describe(sizes)} the abstract step compiles to other "
+                         f"collectives than train.step.build's: {len(ours)} against {len(theirs)}; mirror "
+                         "train.step's changes in compiled_step")
 
 
 def _array(c: collectives.Collective) -> str:
@@ -194,7 +195,7 @@ LARGEST_COLS = ["preset", "layers", "mesh", "residual", "kind", "array", "op", "
 def markdown(table: list[dict], largest: list[dict]) -> str:
   return ("## The model against the compiled step\n\n"
           "8 CPU devices; bytes: each collective's whole array (an all-gather's result, an all-reduce's or "
-          "reduce-scatter's operand) per device, summed over the step; model: benchmarks.scaling.transfers with "
+          "reduce-scatter's operand) per device, summed over the step; model: benchmarks.scaling_model.transfers with "
           "regather=False (the step keeps each gathered weight for its backward).\n\n"
           + report.markdown_table(table, COLS)
           + f"\n\n## The {LARGEST} largest collectives of each compiled step\n\n"

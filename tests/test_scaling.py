@@ -1,5 +1,6 @@
-"""The scaling model (benchmarks.scaling) and the HLO reader it is checked with (benchmarks.collectives): exact
-bytes on programs and configs counted by hand. No weights are made: parameters are shapes (nnx.eval_shape)."""
+"""The scaling model (benchmarks.scaling_model, benchmarks.scaling) and the HLO reader it is checked with
+(benchmarks.collectives): exact bytes on programs and configs counted by hand. No weights are made: parameters
+are shapes (nnx.eval_shape)."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 import models
-from benchmarks import collectives, scaling
+from benchmarks import collectives, scaling, scaling_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,13 +86,13 @@ TINY = 2 * TINY_BLOCK + 256 * 128 + 128 * 128 + 2 * 128  # blocks, token and pos
 
 
 def test_memory_of_tiny_on_one_device_is_counted_by_hand():
-  m = scaling.memory(models.preset("tiny"), ONE_DEVICE, rows=1)
+  m = scaling_model.memory(models.preset("tiny"), ONE_DEVICE, rows=1)
   assert TINY == 412928
   assert (m["params"], m["grads"], m["optimizer"], m["gathered"]) == (4 * TINY, 4 * TINY, 8 * TINY, 0)
   s, d, c = 128, 128, 4  # tiny computes in float32
   # LayerNorms' inputs and outputs, Q and the attention's output, K and V (2 heads of 32), log-sum-exp, GELU's
   block = 4 * c * s * d + 2 * c * s * d + 2 * c * s * 32 * 2 + 4 * s * 4 + 2 * c * s * 4 * d
-  assert scaling.block_activations(models.preset("tiny"), s, 1, 1) == block == 985088
+  assert scaling_model.block_activations(models.preset("tiny"), s, 1, 1) == block == 985088
   assert m["activations"] == 2 * block + 2 * c * s * d + c * 256 * d
   assert m["total"] == sum(v for k, v in m.items() if k != "total")
 
@@ -101,21 +102,22 @@ def test_tensor_parallelism_splits_what_korthikanti_splits():
   cfg = models.preset("gpt-7b")  # 8 key/value heads: tensor=8 splits them
   s, d, c = 4096, 4096, 2
   whole = 4 * c * s * d
-  assert scaling.block_activations(cfg, s, 1, 8) - whole == (scaling.block_activations(cfg, s, 1, 1) - whole) // 8
+  split = lambda t: scaling_model.block_activations(cfg, s, 1, t) - whole
+  assert split(8) == split(1) // 8
 
 
 def test_fsdp_holds_a_1_over_n_share_of_every_split_parameter():
   cfg = models.preset("gpt-1b")
-  whole = scaling.parameters(cfg, ONE_DEVICE)
+  whole = scaling_model.parameters(cfg, ONE_DEVICE)
   total = sum(x.size * x.copies for x in whole)
   assert 1.07e9 < total < 1.08e9
   for n in scaling.DEVICES:
-    ps = scaling.parameters(cfg, {"data": 1, "fsdp": n, "tensor": 1})
+    ps = scaling_model.parameters(cfg, {"data": 1, "fsdp": n, "tensor": 1})
     split = sum(x.size * x.copies for x in ps if x.fsdp)
     held = sum(x.local_size * x.copies for x in ps)
     assert held == split // n + sum(x.size * x.copies for x in ps if not x.fsdp)
-    assert scaling.memory(cfg, {"data": 1, "fsdp": n, "tensor": 1})["params"] == 4 * held
-  fsdp8 = sum(x.local_size * x.copies for x in scaling.parameters(cfg, {"data": 1, "fsdp": 8, "tensor": 1}))
+    assert scaling_model.memory(cfg, {"data": 1, "fsdp": n, "tensor": 1})["params"] == 4 * held
+  fsdp8 = sum(x.local_size * x.copies for x in scaling_model.parameters(cfg, {"data": 1, "fsdp": 8, "tensor": 1}))
   assert fsdp8 <= 1.05 * total / 8  # LayerNorms and q/k/v biases, held whole, are a small part
 
 
@@ -123,18 +125,18 @@ def test_collective_bytes_of_dp_and_fsdp():
   """DP all-reduces every gradient: 2 (n - 1) / n of the model's bytes on the wire. FSDP gathers each split
   parameter twice (forward, backward) and reduce-scatters its gradient, (n - 1) / n each."""
   cfg, n = models.preset("tiny"), 8
-  dp = scaling.transfers(cfg, {"data": n, "fsdp": 1, "tensor": 1})
+  dp = scaling_model.transfers(cfg, {"data": n, "fsdp": 1, "tensor": 1})
   assert [(x.kind, x.payload) for x in dp] == [("all-reduce", 4 * TINY)]
-  assert scaling.wire_bytes(dp[0]) == 2 * (n - 1) / n * 4 * TINY
-  fsdp = scaling.per_kind(scaling.transfers(cfg, {"data": 1, "fsdp": n, "tensor": 1}))
-  split = sum(x.size * x.copies for x in scaling.parameters(cfg, {"data": 1, "fsdp": n, "tensor": 1}) if x.fsdp)
+  assert scaling_model.wire_bytes(dp[0]) == 2 * (n - 1) / n * 4 * TINY
+  fsdp = scaling_model.per_kind(scaling_model.transfers(cfg, {"data": 1, "fsdp": n, "tensor": 1}))
+  split = sum(x.size * x.copies for x in scaling_model.parameters(cfg, {"data": 1, "fsdp": n, "tensor": 1}) if x.fsdp)
   assert fsdp == {"all-gather": 2 * 4 * split, "reduce-scatter": 4 * split, "all-reduce": 4 * (TINY - split)}
 
 
 def test_the_7b_preset_is_7b_class_and_never_made():
   cfg = models.preset("gpt-7b")
   assert (cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.seq_len) == (128, 32, 8, 4096)
-  total = sum(x.size * x.copies for x in scaling.parameters(cfg, ONE_DEVICE))
+  total = sum(x.size * x.copies for x in scaling_model.parameters(cfg, ONE_DEVICE))
   assert 7.2e9 < total < 7.3e9
 
 
@@ -142,3 +144,26 @@ def test_the_7b_preset_is_7b_class_and_never_made():
 def test_every_layout_fits_its_mesh(name):
   for row in scaling.table_rows(name):
     assert row["total_gib"] > 0 and row["comm_gb"] > 0, row
+
+
+def test_the_checked_step_is_the_trainers_and_fsdp_moves_what_the_model_says():
+  """On 8 CPU devices: the abstract step benchmarks.scaling_check compiles has train.step.build's collectives on
+  tiny; and with the residual stream split by rows (FSDP's layout), fsdp=8 gathers the split parameters and
+  reduces the gradients that the model counts, to within the few small vectors and scalars it leaves out."""
+  code = """if True:
+    import json
+    import models
+    from benchmarks import scaling_check
+    scaling_check.use_cpu_devices(8)
+    scaling_check.same_as_trainer(models.preset("tiny"), {"data": 1, "fsdp": 4, "tensor": 2})
+    rows, _ = scaling_check.compare("tiny", None, {"data": 1, "fsdp": 8, "tensor": 1}, scaling_check.ROWS_SPLIT)
+    print(json.dumps(rows))
+  """
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr
+  rows = {r["kind"]: r for r in json.loads(out.stdout.splitlines()[-1])}
+  assert rows["all-gather"]["model_bytes"] <= rows["all-gather"]["hlo_bytes"] <= 1.02 * rows["all-gather"]["model_bytes"]
+  both = rows["all-reduce + reduce-scatter"]
+  assert both["model_bytes"] <= both["hlo_bytes"] <= both["model_bytes"] + 64  # the loss's and norms' scalars
