@@ -117,16 +117,15 @@ def compare(name: str, layers: int | None, sizes: dict[str, int], residual: str 
       "ratio": round(h / m, 4) if m else None}
   out = [row(k, hlo[k]["count"], hlo[k]["payload"], count.get(k, 0), payload.get(k, 0))
          for k in collectives.KINDS if hlo[k]["count"] or payload.get(k)]
-  reductions = ("all-reduce", "reduce-scatter")
-  if any(payload.get(k) for k in reductions) and sizes["fsdp"] > 1:
-    out.append(row(" + ".join(reductions), *(sum(f(k) for k in reductions) for f in (
-        lambda k: hlo[k]["count"], lambda k: hlo[k]["payload"], lambda k: count.get(k, 0),
-        lambda k: payload.get(k, 0)))))
+  if sizes["fsdp"] > 1:  # reduce-scatters as XLA's CPU pipeline emits them: all-reduces (and slices)
+    both = ("all-reduce", "reduce-scatter")
+    out.append(row("+".join(both), sum(hlo[k]["count"] for k in both), sum(hlo[k]["payload"] for k in both),
+                   sum(count.get(k, 0) for k in both), sum(payload.get(k, 0) for k in both)))
   alike = collections.defaultdict(lambda: [0, 0])
   for c in found:
     entry = alike[c.kind, _array(c), _op(c.op)]
-    entry[0] += 1
-    entry[1] += c.payload
+    entry[0] += c.runs
+    entry[1] += c.payload * c.runs
   top = sorted(alike.items(), key=lambda kv: -kv[1][1])[:LARGEST]
   return out, [key | {"kind": k, "array": a, "op": op, "count": n, "bytes": b} for (k, a, op), (n, b) in top]
 
@@ -151,9 +150,9 @@ def rows_split(sizes: dict[str, int]):
 
 
 def same_as_trainer(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = 1) -> None:
-  """Raises unless compiled_step's program has trainer_step's collectives, one by one (kind, arrays, bytes)."""
+  """Raises unless compiled_step's program has trainer_step's collectives, one by one (kind, arrays, runs)."""
   ours, theirs = (collectives.parse(f(cfg, sizes, rows)) for f in (compiled_step, trainer_step))
-  key = lambda found: sorted((c.kind, c.arrays) for c in found)
+  key = lambda found: sorted((c.kind, c.arrays, c.runs) for c in found)
   if key(ours) != key(theirs):
     raise AssertionError(f"on --mesh {scaling_model.describe(sizes)} the abstract step compiles to other "
                          f"collectives than train.step.build's: {len(ours)} against {len(theirs)}; mirror "

@@ -14,9 +14,17 @@ from benchmarks import collectives, scaling, scaling_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# HLO text in the forms the reader must take: operands typed inline or by name, async pairs, a tuple all-reduce.
+# HLO text in the forms the reader must take: operands typed inline or by name, async pairs, a tuple all-reduce,
+# a loop that runs its body's all-reduce 3 times.
 HLO = """
-ENTRY %main {
+%body (t: (s32[], f32[10])) -> (s32[], f32[10]) {
+  %t = (s32[], f32[10]{0}) parameter(0)
+  %x = f32[10]{0} get-tuple-element(%t), index=1
+  %looped = f32[10]{0} all-reduce(%x), replica_groups=[1,8]<=[8], to_apply=%add
+  ROOT %next = (s32[], f32[10]{0}) tuple(%i, %looped)
+}
+
+ENTRY %main (p: f32[1,64], big: f32[16,64], a: f32[10], b: bf16[4,4]) -> f32[10] {
   %p = f32[1,64]{1,0} parameter(0)
   %big = f32[16,64]{1,0} parameter(1)
   %a = f32[10]{0} parameter(2)
@@ -28,23 +36,33 @@ ENTRY %main {
   %ars = f32[10]{0} all-reduce-start(%a), replica_groups=[1,8]<=[8], to_apply=%add
   %ard = f32[10]{0} all-reduce-done(%ars)
   %cps = (f32[10]{0}, f32[10]{0}, u32[], u32[]) collective-permute-start(%a), source_target_pairs={{0,1}}
-  ROOT %cpd = f32[10]{0} collective-permute-done(%cps)
+  %cpd = f32[10]{0} collective-permute-done(%cps)
+  %loop = (s32[], f32[10]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %out = f32[10]{0} get-tuple-element(%loop), index=1
 }
 """
 
 
 def test_the_reader_sizes_every_form_of_collective():
   found = collectives.parse(HLO)
-  assert [(c.kind, c.operand_bytes, c.result_bytes) for c in found] == [
-      ("all-gather", 256, 2048),  # one (1, 64) float32 shard in, all 8 out
-      ("reduce-scatter", 4096, 512),  # (16, 64) in, a (2, 64) shard out
-      ("all-reduce", 40 + 32, 40 + 32),  # two arrays combined: float32 (10,) and bfloat16 (4, 4)
-      ("all-reduce", 40, 40),
-      ("collective-permute", 40, 40)]  # its u32 context scalars are not data
+  assert [(c.kind, c.operand_bytes, c.result_bytes, c.runs) for c in found] == [
+      ("all-reduce", 40, 40, 3),  # in the loop's body
+      ("all-gather", 256, 2048, 1),  # one (1, 64) float32 shard in, all 8 out
+      ("reduce-scatter", 4096, 512, 1),  # (16, 64) in, a (2, 64) shard out
+      ("all-reduce", 40 + 32, 40 + 32, 1),  # two arrays combined: float32 (10,) and bfloat16 (4, 4)
+      ("all-reduce", 40, 40, 1),
+      ("collective-permute", 40, 40, 1)]  # its u32 context scalars are not data
   totals = collectives.summarize(found)
   assert totals["all-gather"] == {"count": 1, "operand_bytes": 256, "result_bytes": 2048, "payload": 2048}
-  assert totals["all-reduce"]["payload"] == 112 and totals["reduce-scatter"]["payload"] == 4096
-  assert found[2].arrays == (("f32[10]", 40), ("bf16[4,4]", 32))
+  assert totals["all-reduce"] == {"count": 5, "operand_bytes": 232, "result_bytes": 232, "payload": 3 * 40 + 72 + 40}
+  assert totals["reduce-scatter"]["payload"] == 4096
+  assert found[3].arrays == (("f32[10]", 40), ("bf16[4,4]", 32))
+
+
+def test_a_loop_of_unknown_length_around_a_collective_is_refused():
+  unknown = HLO.replace(', backend_config={"known_trip_count":{"n":"3"}}', "")
+  with pytest.raises(ValueError, match="known trip count"):
+    collectives.parse(unknown)
 
 
 def test_the_reader_on_a_sharded_program_compiled_for_8_devices():
@@ -165,5 +183,5 @@ def test_the_checked_step_is_the_trainers_and_fsdp_moves_what_the_model_says():
   assert out.returncode == 0, out.stderr
   rows = {r["kind"]: r for r in json.loads(out.stdout.splitlines()[-1])}
   assert rows["all-gather"]["model_bytes"] <= rows["all-gather"]["hlo_bytes"] <= 1.02 * rows["all-gather"]["model_bytes"]
-  both = rows["all-reduce + reduce-scatter"]
+  both = rows["all-reduce+reduce-scatter"]
   assert both["model_bytes"] <= both["hlo_bytes"] <= both["model_bytes"] + 64  # the loss's and norms' scalars
