@@ -63,7 +63,8 @@ def parameters(cfg: models.GPTConfig, sizes: dict[str, int]) -> list[Param]:
   """Every parameter of the model, whole and as one device holds it on a mesh of `sizes`: the shapes of one
   block and the rest, from the model itself (nnx.eval_shape, nothing allocated); the shards by train.mesh's
   rules."""
-  model = nnx.eval_shape(lambda: models.GPT(dataclasses.replace(cfg, n_layer=1), rngs=nnx.Rngs(0)))
+  one = dataclasses.replace(cfg, n_layer=1, window=None, window_pattern=None)  # windows shape no parameter
+  model = nnx.eval_shape(lambda: models.GPT(one, rngs=nnx.Rngs(0)))
   state = nnx.state(model, nnx.Param)
   mesh = abstract_mesh(sizes)
   placed = train_mesh.shardings(state, mesh, cfg)
@@ -115,7 +116,7 @@ def head_activations(cfg: models.GPTConfig, s: int, b: int, t: int) -> int:
   return 2 * c * s * b * cfg.d_model + c * cfg.vocab_size * cfg.d_model // (t if cfg.vocab_size % t == 0 else 1)
 
 
-def memory(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = ROWS) -> dict[str, float]:
+def memory(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = ROWS) -> dict[str, int]:
   """Per-device bytes of one training step at its peak, by part:
     params       every parameter's shard, in param_dtype
     grads        their gradients, sharded alike, in param_dtype
@@ -151,7 +152,8 @@ def wire_bytes(x: Transfer) -> float:
   return x.payload * share * (2 if x.kind == "all-reduce" else 1)
 
 
-def transfers(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = ROWS, regather: bool = True) -> list[Transfer]:
+def transfers(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = ROWS,
+              regather: bool = True) -> list[Transfer]:
   """The collectives of one training step, per device:
     DP (data axis)        all-reduce every gradient: the whole model's P·p bytes (p = param_dtype's bytes)
     FSDP (fsdp axis)      all-gather every fsdp-split parameter for the forward, again for the backward
