@@ -35,7 +35,8 @@ documents a row holds; te runs B * max_segments sequences) and `sliding_window=`
 Several devices: under Flax logical axis rules (nnx.logical_axis_rules) and a mesh (jax.set_mesh), q
 (B, T, N, H) is constrained to the names ("batch", "length", "heads", "head_dim") and k, v to
 ("batch", "length", "kv_heads", "head_dim"), so that heads split over a mesh axis stay split through
-the attention; without rules the layer adds no constraint.
+the attention (where "heads" is split and "kv_heads" is not, k and v are repeated to one head per
+query head); without rules the layer adds no constraint.
 
 Decoding (attnlayers.kv_cache says why it differs from Flax's cache):
 
@@ -59,8 +60,10 @@ import difflib
 import functools
 import inspect
 
+import jax
 import jax.numpy as jnp
 from flax import linen, nnx
+from flax.core import spmd
 
 from attnlayers import backends, fp8, kv_cache, projection, spec
 from attnlayers.flax_attention import BackendAttention
@@ -224,7 +227,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       value = projection.heads(self.value, inputs_v, qkv_sharding)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
-    query, key, value = _placed(query, "heads"), _placed(key, "kv_heads"), _placed(value, "kv_heads")
+    query, key, value = _on_mesh(query, key, value, cache=cache)
     attend = {"is_causal": is_causal}
     if cache:
       if query.shape[:-2] != key.shape[:-2]:
@@ -269,6 +272,22 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     sizes = [n * h for n, h in heads]
     parts = jnp.split(y, [sizes[0], sizes[0] + sizes[1]], axis=-1)
     return tuple(part.reshape(*part.shape[:-1], *hs) for part, hs in zip(parts, heads))  # (*batch, T, heads, H)
+
+
+def _on_mesh(query, key, value, *, cache: bool):
+  """q, k and v constrained where a mesh's logical axis rules put their heads (_placed). Where the rules split
+  query heads but hold key/value heads whole (a mesh axis that does not divide them, GQA/MQA), k and v are
+  repeated to one head per query head (head n reads kv head n // (N / K), as grouped attention does), so that
+  each device attends with its own query heads; grouping them instead would gather the scores across the
+  axis. Not in decode calls, whose cache keeps K heads."""
+  rules = dict(spmd.get_logical_axis_rules())
+  grouped = query.ndim == 4 and key.shape[-2] < query.shape[-2]
+  if grouped and not cache and rules.get("heads") and not rules.get("kv_heads") and \
+      not jax.sharding.get_abstract_mesh().empty:
+    group = query.shape[-2] // key.shape[-2]
+    key, value = jnp.repeat(key, group, axis=-2), jnp.repeat(value, group, axis=-2)  # (B, S, N, H)
+    return _placed(query, "heads"), _placed(key, "heads"), _placed(value, "heads")
+  return _placed(query, "heads"), _placed(key, "kv_heads"), _placed(value, "kv_heads")
 
 
 def _placed(x, heads: str):

@@ -4,9 +4,9 @@ Flax's LinearGeneral adds a q/k/v projection's (N, H) bias to the (*batch, T, N,
 XLA's GEMM rewriter fuses a bias into cuBLASLt's epilogue only when it is a vector over the
 GEMM's output columns, so that (N, H) bias stays a separate pass that reads and writes all of
 q, k and v. `heads` computes the same projection as x (.., D) @ kernel (D, N * H) + bias (N * H,)
-and then reshapes, from the same parameters. Compiled with the trainer's options
-(train.step.STEP_COMPILER_OPTIONS) on a GPU, the bias then runs in the GEMM, added to its float32
-result before the rounding to the compute dtype.
+and then reshapes, from the same parameters. Compiled on a GPU with Triton GEMM fusions off
+(compiler_options={"xla_gpu_enable_triton_gemm": False}, as the project's trainer compiles), the
+bias then runs in the GEMM, added to its float32 result before the rounding to the compute dtype.
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ Writes decode.json, decode.csv, decode.md and PNG plots to --out.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import tempfile
 import time
 
 import jax
@@ -44,15 +46,21 @@ from flax import nnx
 import attnlayers
 from train import flags
 import models
-from benchmarks import common, decode_report
-from models import generate
+from benchmarks import common, decode_report, trace
+from models import compiler, generate
 
 FP8_CORE = "fp8-or-bf16"  # te-fp8 points: FP8 core where the call qualifies, else bf16 (as benchmarks.train)
 FULL = dict(preset="gpt2-small", long_seq_len=8192, backends=["cudnn", "xla", "te", "te-fp8", "naive"],
-            kv_heads=[12, 4, 1], batches=[1, 8, 32, 64, 128, 256], contexts=[512, 2048, 8192], steps=64, calls=5,
-            ttft_context=1024, copy_bytes=2**32, ratio_at=(64, 2048))
+            kv_heads=[12, 4, 1], batches=[1, 8, 64, 256], contexts=[512, 2048, 8192], steps=64, calls=5,
+            ttft_context=1024, copy_bytes=2**32, ratio_at=(64, 2048), batch1_context=1536, xla_options=["decode"])
 QUICK = dict(preset="tiny", long_seq_len=256, backends=["naive", "xla", "cudnn"], kv_heads=[4, 1], batches=[1, 4],
-             contexts=[32, 128], steps=8, calls=3, ttft_context=128, copy_bytes=2**28, ratio_at=(4, 128))
+             contexts=[32, 128], steps=8, calls=3, ttft_context=128, copy_bytes=2**28, ratio_at=(4, 128),
+             batch1_context=64, xla_options=["decode"])
+# the decode targets on gpt2-small shapes (K = 12, 4, 1), each read from this run's rows by decode_report.target_lines
+TARGETS = dict(kv_heads=[12, 4, 1], batch1_context=1536, batch1_ms=0.30, batch_at=(64, 2048),
+               frac_copy_bw={12: 0.85, 4: 0.70, 1: 0.50}, gqa_over_mha=(4, 2.2), kernels=100)
+FULL["targets"] = TARGETS
+XLA_OPTIONS = {"decode": compiler.DECODE, "default": {}}  # --xla-options: models.compiler.DECODE, or XLA's own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +70,18 @@ class Point:
   K: int
   batch: int
   context: int  # prompt tokens asked for
+  options: str = "decode"  # the programs' XLA options: a key of XLA_OPTIONS
 
 
 def plan(s: dict) -> list[Point]:
-  """Time to first token for every backend first, then each backend's sweep."""
+  """Time to first token for every backend first, then each backend's sweep (per XLA options), with batch 1 at
+  batch1_context (the context of the batch-1 target) where the contexts leave it out."""
   points = [Point("ttft", b, s["kv_heads"][0], 1, s["ttft_context"]) for b in s["backends"]]
-  return points + [Point("sweep", b, k, B, c) for b in s["backends"] for c in s["contexts"] for B in s["batches"]
-                   for k in s["kv_heads"]]
+  contexts = [(c, s["batches"]) for c in s["contexts"]]
+  if s["batch1_context"] not in s["contexts"] and 1 in s["batches"]:
+    contexts = sorted(contexts + [(s["batch1_context"], [1])])
+  return points + [Point("sweep", b, k, B, c, o) for o in s["xla_options"] for b in s["backends"]
+                   for c, batches in contexts for B in batches for k in s["kv_heads"]]
 
 
 class _Repeat:
@@ -122,7 +135,7 @@ def run_point(p: Point, built: "_Models", s: dict, limit: int | None) -> dict:
   cache_len = prompt_len + steps
   K, H, itemsize = cfg.n_kv_head or cfg.n_head, cfg.head_dim, jnp.dtype(cfg.dtype).itemsize
   name = s["preset"] + ("" if cfg.seq_len == models.PRESETS[s["preset"]].seq_len else f"@{cfg.seq_len}")
-  row = {"section": p.section, "backend": p.backend, "model": name, "n_layer": cfg.n_layer, "N": cfg.n_head, "K": K,
+  row = {"section": p.section, "backend": p.backend, "xla_options": p.options, "model": name, "n_layer": cfg.n_layer, "N": cfg.n_head, "K": K,
          "H": H, "dtype": cfg.dtype, "batch": p.batch, "context": prompt_len, "cache_len": cache_len, "steps": steps,
          "kv_cache_bytes": decode_report.kv_cache(cfg.n_layer, p.batch, cache_len, K, H, itemsize)}
   row["kv_cache_mib"] = row["kv_cache_bytes"] / 2**20
@@ -148,7 +161,8 @@ def _measure(model, p: Point, s: dict, prompt_len: int, cache_len: int) -> dict:
   cfg, steps, B = model.cfg, s["steps"], p.batch
   backend = None if p.backend == "te-fp8" else p.backend  # a te-fp8 model is built as one (FP8 projections)
   decoder = generate.Decoder(model, batch=B, cache_len=cache_len, prompt_len=prompt_len,
-                             sampling=generate.Sampling(temperature=0), stop_token=None, backend=backend)
+                             sampling=generate.Sampling(temperature=0), stop_token=None, backend=backend,
+                             compiler_options=XLA_OPTIONS[p.options])
   prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, prompt_len), dtype=np.int32)  # (B, P)
   lengths = np.full((B,), prompt_len, np.int32)
   timed = dict(warmup=1, calls=s["calls"])
@@ -161,6 +175,7 @@ def _measure(model, p: Point, s: dict, prompt_len: int, cache_len: int) -> dict:
     return st, (tokens, n_new)
   decode = _Repeat(decode_steps, state, prompt_len)
   td = common.time_fn(decode, **timed)
+  kernels = kernels_per_step(decode, steps) if s["kernel_counts"] else None
   n_new = decode.out[1]
   if not np.all(np.asarray(n_new) == steps):
     raise RuntimeError(f"the decode call ran {np.asarray(n_new).tolist()} steps per row, not {steps}")
@@ -177,7 +192,25 @@ def _measure(model, p: Point, s: dict, prompt_len: int, cache_len: int) -> dict:
           "prefill_tokens_per_s": B * prompt_len / (tp.median_ms * 1e-3), "decode_ms_per_step": step_ms,
           "decode_p10_ms_per_step": td.p10_ms / steps, "decode_p90_ms_per_step": td.p90_ms / steps,
           "tokens_per_s": B / (step_ms * 1e-3), "param_bytes": params, "bytes_per_step": per_step,
-          "gb_per_s": gbps, "calls": td.calls, "compile_s": decoder.compile_s}
+          "gb_per_s": gbps, "calls": td.calls, "compile_s": decoder.compile_s, "kernels_per_step": kernels}
+
+
+def kernels_per_step(call, steps: int) -> float | None:
+  """GPU kernels (and device copies) the decode program ran per step, from a profiler trace of one more `call`
+  of `steps` steps: its events of module jit__decode over `steps` (the loop's condition counted, as it runs each
+  step). None where the trace holds no GPU kernel (a CPU). XLA launches the kernels one by one while a profiler
+  runs, not from command buffers, so the count is what each step runs, and the traced call's time is not used."""
+  with tempfile.TemporaryDirectory() as folder:
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+      jax.block_until_ready(call())
+    events = trace.load(folder)
+  return count_kernels(events, steps)
+
+
+def count_kernels(events: list[dict], steps: int) -> float | None:
+  """The GPU kernel events of module jit__decode in a trace's `events`, over `steps`; None where there are none."""
+  ours = [e for e in trace.gpu_kernels(events) if str(e.get("args", {}).get("hlo_module", "")).startswith("jit__decode")]
+  return len(ours) / steps if ours else None
 
 
 def memory_limit() -> int | None:
@@ -226,13 +259,13 @@ def sweep(s: dict, deadline: float | None, copy_gbps: float) -> list[dict]:
   """Every planned point's row; none is started past `deadline` (time.perf_counter) less the last one's duration."""
   rows, done, built, limit, last = [], {}, _Models(s), memory_limit(), 0.0
   for p in plan(s):
-    key = (p.backend, p.K, p.batch, p.context)
+    key = (p.backend, p.K, p.batch, p.context, p.options)
     if key in done:  # a ttft point that is also a sweep point: measured once
       rows.append(done[key] | {"section": p.section})
       continue
     if deadline is not None and time.perf_counter() + last > deadline:
-      rows.append({"section": p.section, "backend": p.backend, "K": p.K, "batch": p.batch, "context": p.context,
-                   "status": "skipped", "reason": "not run: the time of --budget-s was spent"})
+      rows.append({"section": p.section, "backend": p.backend, "xla_options": p.options, "K": p.K, "batch": p.batch,
+                   "context": p.context, "status": "skipped", "reason": "not run: the time of --budget-s was spent"})
       continue
     t = time.perf_counter()
     row = run_point(p, built, s, limit)
@@ -256,6 +289,13 @@ def main(argv=None) -> None:
                  "128 with --quick)")
   p.add_argument("--steps", type=flags.int_at_least(1), help="decode steps per timed call (default 64; 8 with --quick)")
   p.add_argument("--calls", type=flags.int_at_least(1), help="timed calls per program (default 5; 3 with --quick)")
+  p.add_argument("--batch1-context", type=flags.int_at_least(1), help="prompt tokens of the batch-1 points added "
+                 "beside --contexts (default 1536; 64 with --quick)")
+  p.add_argument("--xla-options", nargs="+", choices=list(XLA_OPTIONS), help="the programs' XLA options, one sweep "
+                 "each: decode (models.compiler.DECODE: GEMM epilogues and the decode loop as one CUDA graph; the "
+                 "default) or default (XLA's own)")
+  p.add_argument("--kernel-counts", action=argparse.BooleanOptionalAction, default=None,
+                 help="count each point's GPU kernels per decode step from a profiler trace (default: on a GPU)")
   p.add_argument("--budget-s", type=flags.positive_float, help="seconds for the whole command: no point starts that would, at the "
                  "last point's duration, end past them; those not run are rows saying so, and every file is written")
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
@@ -264,18 +304,20 @@ def main(argv=None) -> None:
   start = time.perf_counter()
   s = dict(QUICK if a.quick else FULL)
   s |= {k: v for k, v in vars(a).items() if k in s and v is not None}
+  s["kernel_counts"] = jax.default_backend() == "gpu" if a.kernel_counts is None else a.kernel_counts
   n_head, longest = models.PRESETS[s["preset"]].n_head, s["long_seq_len"]
   if any(k < 1 or n_head % k for k in s["kv_heads"]):
     p.error(f"--kv-heads must divide {s['preset']}'s n_head ({n_head}); got {s['kv_heads']}")
   if not 1 <= s["steps"] < longest or any(not 1 <= c for c in s["contexts"] + s["batches"] + [s["ttft_context"]]):
     p.error(f"need 1 <= --steps < {longest} and --contexts, --batches, --ttft-context >= 1")
-  if too_long := [c for c in s["contexts"] + [s["ttft_context"]] if c > longest]:
+  if too_long := [c for c in s["contexts"] + [s["ttft_context"], s["batch1_context"]] if c > longest]:
     p.error(f"--contexts / --ttft-context {', '.join(map(str, too_long))}: the longest context this benchmark's "
             f"{s['preset']} variants hold is {longest} (a prompt there is cut to {longest} - --steps, leaving room "
             f"for the decode steps); give {longest} or less")
   copy_gbps = decode_report.copy_gb_per_s(s["copy_bytes"], calls=s["calls"] * 4)
   env = common.environment() | {"decode_min_rows": generate.rows_for(1), "copy_gb_per_s_start": copy_gbps, "copy_bytes": s["copy_bytes"], "preset": s["preset"],
-                                "steps": s["steps"], "budget_s": a.budget_s}
+                                "steps": s["steps"], "budget_s": a.budget_s,
+                                "xla_options": {o: XLA_OPTIONS[o] for o in s["xla_options"]}}
   print(env, flush=True)
   rows = sweep(s, None if a.budget_s is None else start + a.budget_s, copy_gbps)
   env["copy_gb_per_s_end"] = decode_report.copy_gb_per_s(s["copy_bytes"], calls=s["calls"] * 4)

@@ -29,8 +29,12 @@ BYTES_NOTE = ("Bytes moved per decode step = the parameters as the decoder holds
               "cache (a small model on a CPU) may read them from it at a fraction below 1 too. `kv_cache_mib`: the "
               "whole cache, 2·n_layer·B·cache_len·K·H·itemsize. B is the batch asked for; on a GPU a batch of 1 "
               "runs as `decode_min_rows` rows (models.generate.MIN_GPU_ROWS), whose extra traffic is not counted.")
-COLUMNS = ["K", "backend", "batch", "context", "kv_cache_mib", "decode_ms_per_step", "tokens_per_s", "gb_per_s",
-           "frac_copy_bw", "prefill_ms", "model"]
+COLUMNS = ["K", "backend", "xla_options", "batch", "context", "kv_cache_mib", "decode_ms_per_step", "tokens_per_s",
+           "gb_per_s", "frac_copy_bw", "kernels_per_step", "prefill_ms", "model"]
+KERNELS_NOTE = ("`kernels_per_step`: the GPU kernels and device copies of the decode program (module jit__decode) "
+                "in a profiler trace of one more call, over its steps (the loop's condition included). `xla_options`: "
+                "`decode` compiles with models.compiler.DECODE (GEMM epilogues; command buffers with the loop as one "
+                "CUDA graph), `default` with XLA's own options.")
 
 
 def kv_cache(n_layer: int, B: int, length: int, K: int, H: int, itemsize: int) -> int:
@@ -110,19 +114,59 @@ def omitted_line(rows: list[dict], env: dict) -> str:
           "memory the copy measures, and no fraction of that memory's bandwidth is given for them.")
 
 
+def _ok(rows: list[dict]) -> dict:
+  """The measured sweep rows by (backend, xla_options, K, batch, context)."""
+  return {(r["backend"], r.get("xla_options", "decode"), r["K"], r["batch"], r["context"]): r for r in rows
+          if r["status"] == "ok" and r["section"] == "sweep"}
+
+
 def ratio_lines(rows: list[dict], at: tuple[int, int]) -> list[str]:
-  """Same-run tokens/s of GQA and MQA over MHA per backend at (batch, context), where both points ran."""
-  ok = {(r["backend"], r["K"]): r for r in rows if r["status"] == "ok" and r["section"] == "sweep"
-        and (r["batch"], r["context"]) == at}
+  """Same-run tokens/s of GQA and MQA over MHA per backend and XLA options at (batch, context), where both ran."""
+  ok = {key[:3]: r for key, r in _ok(rows).items() if key[3:] == at}
   lines = []
-  for (backend, k), r in sorted(ok.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
-    mha = ok.get((backend, r["N"]))
+  for (backend, options, k), r in sorted(ok.items(), key=lambda kv: (kv[0][:2], -kv[0][2])):
+    mha = ok.get((backend, options, r["N"]))
     if k < r["N"] and mha:
       kind = "MQA" if k == 1 else "GQA"
-      lines.append(f"- {backend}: {kind} (K={k}) / MHA (K={r['N']}) tokens/s at batch {at[0]}, context {at[1]}: "
-                   f"**{r['tokens_per_s'] / mha['tokens_per_s']:.3g}x** ({r['tokens_per_s']:.4g} / "
+      lines.append(f"- {backend} ({options}): {kind} (K={k}) / MHA (K={r['N']}) tokens/s at batch {at[0]}, context "
+                   f"{at[1]}: **{r['tokens_per_s'] / mha['tokens_per_s']:.3g}x** ({r['tokens_per_s']:.4g} / "
                    f"{mha['tokens_per_s']:.4g})")
   return lines or [f"- GQA, MQA / MHA at batch {at[0]}, context {at[1]}: not in this run's results"]
+
+
+def target_lines(rows: list[dict], targets: dict) -> list[str]:
+  """Each target of `targets` (benchmarks.decode's TARGETS) against this run's rows, per backend and XLA options:
+  the figure, the bound and met / not met; a target whose rows did not run says so."""
+  ok, lines = _ok(rows), []
+  for backend, options in sorted({key[:2] for key in ok}):
+    at = lambda K, B, c: ok.get((backend, options, K, B, c))
+    who = f"{backend} ({options})"
+    B1, c1 = 1, targets["batch1_context"]
+    for K in targets["kv_heads"]:
+      r = at(K, B1, c1)
+      lines.append(_met(f"{who} K={K}, batch 1, context {c1}: ms per token", r and r["decode_ms_per_step"],
+                        "<=", targets["batch1_ms"]))
+    B, c = targets["batch_at"]
+    for K, least in targets["frac_copy_bw"].items():
+      r = at(K, B, c)
+      lines.append(_met(f"{who} K={K}, batch {B}, context {c}: fraction of the copy bandwidth",
+                        r and r.get("frac_copy_bw"), ">=", least))
+    K, least = targets["gqa_over_mha"]
+    gqa, mha = at(K, B, c), at(max(targets["kv_heads"]), B, c)
+    lines.append(_met(f"{who} K={K} / MHA tokens/s, batch {B}, context {c}",
+                      gqa and mha and gqa["tokens_per_s"] / mha["tokens_per_s"], ">=", least))
+    counts = [r["kernels_per_step"] for key, r in ok.items() if key[:2] == (backend, options)
+              and r.get("kernels_per_step") is not None]
+    lines.append(_met(f"{who} kernels per decode step (the most of any point)", max(counts) if counts else None,
+                      "<=", targets["kernels"]))
+  return lines or ["- no measured sweep rows"]
+
+
+def _met(what: str, figure, sense: str, bound: float) -> str:
+  if figure is None:
+    return f"- {what}: not measured in this run (target {sense} {bound:g})"
+  met = figure <= bound if sense == "<=" else figure >= bound
+  return f"- {what}: {figure:.4g} (target {sense} {bound:g}: {'met' if met else 'not met'})"
 
 
 def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
@@ -145,7 +189,7 @@ def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
       report.line_plot(os.path.join(out, plots[-1]), sel, x="context", y="frac_copy_bw",
                        title=f"{s['preset']} decode, batch {b}: fraction of the same-run copy bandwidth")
   ttft = [r | {"ttft_ms": r.get("prefill_ms")} for r in rows if r["section"] == "ttft"]
-  table = sorted(ok, key=lambda r: (r["backend"], r["context"], r["batch"], -r["K"]))
+  table = sorted(ok, key=lambda r: (r["backend"], r.get("xla_options", ""), r["context"], r["batch"], -r["K"]))
   reasons: dict[str, int] = {}
   for r in rows:
     if r["status"] != "ok":
@@ -156,12 +200,14 @@ def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
   md = [f"# Decode benchmarks\n\n{env}\n\nSame-run memory copy: **{env['copy_gb_per_s']:.4g} GB/s** "
         f"(x + 1 in place over {env['copy_bytes'] / 2**20:.0f} MiB; read + write; the faster of "
         f"{env.get('copy_gb_per_s_start', float('nan')):.4g} at the start and {env.get('copy_gb_per_s_end', float('nan')):.4g} "
-        f"at the end of the run).\n\n{BYTES_NOTE}" + (f"\n\n{omitted}" if (omitted := omitted_line(rows, env)) else ""),
+        f"at the end of the run).\n\n{BYTES_NOTE}\n\n{KERNELS_NOTE}" + (f"\n\n{omitted}" if (omitted := omitted_line(rows, env)) else ""),
         f"## Time to first token (prompt {s['ttft_context']} tokens, batch 1, K={s['kv_heads'][0]}; prefill + first "
         "token)\n\n" + report.markdown_table(ttft, ["backend", "chosen", "model", "K", "batch", "context", "status",
                                                     "ttft_ms", "decode_ms_per_step"]),
         "## MHA / GQA / MQA\n\n" + "\n".join(ratio_lines(rows, s["ratio_at"])) + "\n\n"
-        + report.markdown_table(table, COLUMNS)]
+        + report.markdown_table(table, [c for c in COLUMNS if any(r.get(c) is not None for r in table)])]
+  if s.get("targets"):
+    md.append("## Targets\n\n" + "\n".join(target_lines(rows, s["targets"])))
   if reasons:
     md.append("## Not measured\n\n" + "\n".join(f"- {n} point(s): {why}" for why, n in sorted(reasons.items())))
   if notes:

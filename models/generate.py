@@ -25,7 +25,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import attnlayers
-from models import plans
+from models import compiler, plans
 from models.config import is_integer
 from models.gpt import GPT
 
@@ -188,14 +188,19 @@ def _pad_rows(x, rows: int):
   return x if x.shape[0] == rows else jnp.concatenate([x, jnp.repeat(x[:1], rows - x.shape[0], axis=0)])
 
 
-def _compiled(fn, statics: dict, args: tuple):
-  """fn compiled for `args`' shapes, its cache argument donated; and the seconds compiling took (0: reused)."""
+def _compiled(fn, statics: dict, args: tuple, options: dict):
+  """fn compiled for `args`' shapes with XLA `options`, its cache argument donated; and the seconds compiling
+  took (0: reused)."""
   leaves, tree = jax.tree.flatten(args)
-  key = (fn.__name__, tuple(sorted(statics.items())), tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+  key = (fn.__name__, tuple(sorted(statics.items())), tree, tuple((x.shape, str(x.dtype)) for x in leaves),
+         tuple(sorted(options.items())))
   if key in _COMPILED:
     return _COMPILED[key], 0.0
   t0 = time.perf_counter()
-  lowered = jax.jit(lambda *a: fn(*a, **statics), donate_argnums=2).lower(*args)
+  def program(*a):
+    return fn(*a, **statics)
+  program.__name__ = fn.__name__  # the compiled module's name: jit__decode, jit__prefill (in profiler traces)
+  lowered = jax.jit(program, donate_argnums=2, compiler_options=options).lower(*args)
   _COMPILED[key] = lowered.compile()
   return _COMPILED[key], time.perf_counter() - t0
 
@@ -211,11 +216,13 @@ class Decoder:
   weights from a bfloat16 model). backend=None (or the model's own) keeps the model's graph
   and all its state; another name rebuilds the graph with that attention backend around the
   same nnx.Param state, so a te-fp8 model samples under "xla"; any other state (te-fp8's
-  FP8Meta scaling) is then the new backend's own, fresh.
+  FP8Meta scaling) is then the new backend's own, fresh. Both programs compile with
+  `compiler_options`: by default models.compiler.DECODE (GEMM epilogues, and the decode loop as
+  one CUDA graph on a GPU); {} compiles with XLA's defaults.
   """
 
   def __init__(self, model: GPT, *, batch: int, cache_len: int, prompt_len: int, sampling: Sampling,
-               stop_token: int | None = None, backend: str | None = None):
+               stop_token: int | None = None, backend: str | None = None, compiler_options: dict | None = None):
     cfg = model.cfg
     if backend not in (None, cfg.backend):
       cfg = dataclasses.replace(cfg, backend=backend, fp8_core=cfg.fp8_core if backend == "te-fp8" else "fp8")
@@ -227,6 +234,7 @@ class Decoder:
     self.cfg, self.batch, self.cache_len, self.prompt_len = cfg, batch, cache_len, prompt_len
     self.rows = rows_for(batch)  # rows the programs and the cache hold (>= batch; the extra ones dropped)
     self.sampling, self.stop = sampling, NO_STOP if stop_token is None else stop_token
+    self.compiler_options = dict(compiler.DECODE if compiler_options is None else compiler_options)
 
     def build() -> GPT:  # the decoding graph: the model under `cfg`, with a cache
       m = GPT(cfg, rngs=nnx.Rngs(0))
@@ -251,9 +259,10 @@ class Decoder:
     spec = lambda shape, dtype=i32: jax.ShapeDtypeStruct(shape, dtype)
     state = (self.params, self.rest, self._cache_shapes, jax.eval_shape(lambda: jax.random.key(0)))
     statics = {"graphdef": self.graphdef, "sampling": dataclasses.replace(self.sampling, seed=0)}
-    self._prefill, t1 = _compiled(_prefill, statics, (*state, spec((B, self.prompt_len)), spec((B,))))
+    options = self.compiler_options
+    self._prefill, t1 = _compiled(_prefill, statics, (*state, spec((B, self.prompt_len)), spec((B,))), options)
     self._decode, t2 = _compiled(_decode, statics | {"width": self.cache_len},
-                                 (*state, spec((B,)), spec(()), spec(())))
+                                 (*state, spec((B,)), spec(()), spec(())), options)
     self.compile_s = t1 + t2
 
   def attention_plans(self) -> dict[str, list[attnlayers.Plan]]:

@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 from jaxtyping import Array, Float, Int
 
 from attnlayers import projection
@@ -94,11 +94,23 @@ class Block(nnx.Module):
     packed = {} if segment_ids is None or self.max_segments is None else {"max_segments": self.max_segments}
     a = drop(self.attn(h, decode=True, lengths=lengths) if decode else self.attn(h, segment_ids=segment_ids, **packed))
     x, h = residual_norm(self.ln2, x, a, kernel=self.kernels)
-    z = _unbiased(self.fc, h)  # (B, T, 4D); its bias is added in bias_gelu's pass (none under te-fp8: zeros)
+    # (B, T, 4D); its bias is added in bias_gelu's pass (none under te-fp8: zeros)
+    z = _placed(_unbiased(self.fc, h), "mlp")
     if self.gelu_in_gemm:
       return x, drop(self.proj(gelu_of_gemm(z, kernel=self.kernels)))
     b = jnp.zeros(z.shape[-1:], z.dtype) if self.fc.bias is None else self.fc.bias[...].astype(z.dtype)  # (4D,)
     return x, drop(self.proj(bias_gelu(z, b, kernel=self.kernels)))
+
+
+def _placed(a: Float[Array, "B T F"] | None, features: str | None = None) -> Float[Array, "B T F"] | None:
+  """`a` where Flax's logical axis rules (a mesh's, train.mesh) put ("batch", "length", `features`): rows split
+  as the batch is, features by their name (None: whole on every device); as it is without rules. The residual
+  stream at each block and the MLP's hidden layer: left to itself, the partitioner gathers the batch for some
+  of FSDP's products instead of the weights."""
+  if a is None or a.ndim != 3:
+    return a
+  return linen.with_logical_constraint(a, ("batch", "length", features),
+                                       fallback=linen.spmd.RulesFallback.NO_CONSTRAINT)
 
 
 def _unbiased(linear: nnx.Linear, x: Float[Array, "B T D"]) -> Float[Array, "B T F"]:
@@ -202,7 +214,7 @@ class GPT(nnx.Module):
     x = self.drop(x, deterministic=rngs is None, rngs=rngs)
     y = None  # the residual stream is x + y (models.ops.layernorm adds them)
     for block in self.blocks:
-      x, y = block(x, y, rngs, decode=decode, lengths=lengths, segment_ids=segment_ids)
+      x, y = block(_placed(x), _placed(y), rngs, decode=decode, lengths=lengths, segment_ids=segment_ids)
     if last_only:
       last = (jnp.full((B,), T) if lengths is None else jnp.asarray(lengths)) - 1  # (B,)
       take = lambda a: None if a is None else jnp.take_along_axis(a, jnp.maximum(last, 0)[:, None, None], axis=1)

@@ -304,7 +304,9 @@ def test_decode_quick_rows_are_their_formulas_over_the_measured_time(tmp_path):
   assert "lower bound" in md and "Time to first token" in md and "MQA (K=1) / MHA (K=4) tokens/s at batch 4" in md
   sweep = [r for r in rows if r["section"] == "sweep"]
   assert {(r["backend"], r["K"], r["batch"], r["context"]) for r in sweep} == \
-      set(itertools.product(["naive", "xla", "cudnn"], [4, 1], [1, 4], [32, 128]))
+      set(itertools.product(["naive", "xla", "cudnn"], [4, 1], [1, 4], [32, 128])) | \
+      set(itertools.product(["naive", "xla", "cudnn"], [4, 1], [1], [64]))  # batch 1 at --batch1-context
+  assert {r["xla_options"] for r in sweep} == {"decode"} and all(r.get("kernels_per_step") is None for r in sweep)
   ok = [r for r in rows if r["status"] == "ok"]
   assert {r["backend"] for r in ok} == {"naive", "xla"} and {r["model"] for r in ok} == {"tiny", "tiny@256"}
   ttft = {r["backend"]: r for r in rows if r["section"] == "ttft"}
@@ -351,6 +353,34 @@ def test_decode_gives_no_copy_fraction_above_1_and_says_why():
   assert line.startswith("`frac_copy_bw` is left out of 1 of 2 measured rows: their gb_per_s (up to 20) passes the "
                          "copy's 5 GB/s (x + 1 in place over 64 MiB)"), line
   assert decode_report.omitted_line(rows[:1], {"copy_gb_per_s": 5.0, "copy_bytes": 2**26}) == ""
+
+
+def test_decode_targets_read_the_rows_they_name_and_say_met_or_not():
+  from benchmarks import decode, decode_report
+  row = lambda K, B, c, ms, **kw: {"status": "ok", "section": "sweep", "backend": "cudnn", "xla_options": "decode",
+                                   "N": 12, "K": K, "batch": B, "context": c, "decode_ms_per_step": ms,
+                                   "tokens_per_s": B / (ms * 1e-3), **kw}
+  rows = [row(12, 1, 1536, 0.29, kernels_per_step=90.0), row(4, 1, 1536, 0.31), row(12, 64, 2048, 1.0, frac_copy_bw=0.9),
+          row(4, 64, 2048, 0.5, frac_copy_bw=0.6, kernels_per_step=120.0)]
+  lines = decode_report.target_lines(rows, decode.TARGETS)
+  assert "- cudnn (decode) K=12, batch 1, context 1536: ms per token: 0.29 (target <= 0.3: met)" in lines
+  assert "- cudnn (decode) K=4, batch 1, context 1536: ms per token: 0.31 (target <= 0.3: not met)" in lines
+  assert "- cudnn (decode) K=1, batch 1, context 1536: ms per token: not measured in this run (target <= 0.3)" in lines
+  assert "- cudnn (decode) K=12, batch 64, context 2048: fraction of the copy bandwidth: 0.9 (target >= 0.85: met)" in lines
+  assert "- cudnn (decode) K=4, batch 64, context 2048: fraction of the copy bandwidth: 0.6 (target >= 0.7: not met)" in lines
+  assert "- cudnn (decode) K=4 / MHA tokens/s, batch 64, context 2048: 2 (target >= 2.2: not met)" in lines
+  assert "- cudnn (decode) kernels per decode step (the most of any point): 120 (target <= 100: not met)" in lines
+
+
+def test_decode_kernel_count_is_the_decode_programs_gpu_events_over_its_steps():
+  from benchmarks import decode
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+  kernel = lambda pid, module: {"ph": "X", "pid": pid, "ts": 0, "dur": 2, "name": "k",
+                                "args": {"hlo_module": module, "hlo_op": "fusion.1"}}
+  events = meta + [kernel(1, "jit__decode")] * 12 + [kernel(1, "jit__fill")] * 5 + [kernel(2, "jit__decode")] * 7
+  assert decode.count_kernels(events, 4) == 3.0  # the GPU's, of jit__decode: not the cache-index fill, not host events
+  assert decode.count_kernels(meta, 4) is None
 
 
 def test_the_copy_yardstick_updates_one_buffer_in_place(monkeypatch):

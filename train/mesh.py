@@ -57,7 +57,7 @@ def parse(text: str | None, devices: int) -> dict[str, int]:
     name, eq, value = part.strip().partition("=")
     if not eq or name not in AXES:
       raise MeshError(f"--mesh {text}: {part.strip()!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)}; e.g. "
-                      f"--mesh data=2,fsdp={max(devices // 2, 1)}")
+                      f"--mesh fsdp={devices}")
     if name in sizes:
       raise MeshError(f"--mesh {text}: {name} is given twice; give each of {', '.join(AXES)} at most once")
     if not value.strip().isdigit() or int(value) < 1:

@@ -5,6 +5,7 @@ summary with its sample."""
 from __future__ import annotations
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from flax import nnx
 
@@ -105,17 +106,28 @@ def vocab_notice(cfg: TrainConfig, dataset: data.Dataset) -> None:
           f"fits it); samples decode {tokenizers.NAMES[dataset.tokenizer]}", flush=True)
 
 
+def _whole(tree):
+  """Each array of `tree` whole on this process's first device: its copy where every device holds one, else
+  gathered from its shards (from every process's devices)."""
+  device = jax.local_devices()[0]
+
+  def one(x):
+    if x.is_fully_replicated:
+      return x.addressable_data(0)
+    return jax.device_put(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True), device)
+  return jax.tree.map(one, tree)
+
+
 def _sample(s: Session, state: dict, dataset: data.Dataset) -> dict:
   """The end-of-run sample, by python -m sample's decoder (models.generate, backend auto): the start of
   the first validation text (from its first full line where it was cut mid-file) continued. Prompt and new
-  tokens share the context: at most seq_len - seq_len // 4 new ones. Each process samples from its own replica
-  of the parameters."""
+  tokens share the context: at most seq_len - seq_len // 4 new ones. Each process samples from its own whole
+  copy of the parameters (gathered from their shards on the mesh)."""
   prompt_len, new = sample_lengths(s.cfg.model.seq_len, s.cfg.sample_tokens)
   if new < 1:
     return {}
   prompt = np.asarray(dataset.val[0][dataset.prompt_start:][:prompt_len])
-  local = lambda tree: jax.tree.map(lambda x: x.addressable_data(0), tree)  # this process's copy, on one device
-  model = nnx.merge(s.model.graphdef, local(state["params"]), local(state["fp8"]))
+  model = nnx.merge(s.model.graphdef, _whole(state["params"]), _whole(state["fp8"]))
   # the run's --seed may exceed 32 bits, which Sampling refuses; jax.random.key used its low 32 bits, as here
   gen = generate.generate(model, [prompt], max_new_tokens=new, backend=attnlayers.backends.AUTO,
                           sampling=generate.Sampling(temperature=SAMPLE_TEMPERATURE, seed=s.cfg.seed % generate.SEEDS,

@@ -18,19 +18,13 @@ from jax.sharding import PartitionSpec as P
 import models
 from attnlayers import fp8 as fp8_lib
 from attnlayers.fp8 import FP8Meta
+from models import compiler
 from models.loss import head_cross_entropy
 from train import mesh as mesh_lib
 from train import optim
 from train.config import TrainConfig
 
-# XLA options the step and evaluation compile with (GPU options; other platforms ignore them).
-# cuBLASLt on (XLA's default where jax does not turn it off): it is what takes a bias epilogue.
-# Triton GEMM fusions off: XLA then rewrites each dot straight into cuBLASLt and fuses a vector
-# bias into its epilogue (tests/test_gpu_projection.py; with them on, the biases stayed passes of
-# their own). Dot merging off: merged, the k and v GEMMs (one input) made the backward concatenate
-# dk with dv and add two dx. benchmarks/results/h200/gpt2-small/step.md times the step with and without them.
-STEP_COMPILER_OPTIONS = {"xla_gpu_enable_cublaslt": True, "xla_gpu_enable_triton_gemm": False,
-                         "xla_gpu_dot_merger_threshold_mb": 0}
+STEP_COMPILER_OPTIONS = compiler.GEMM  # the step's and evaluation's XLA options (models.compiler says why)
 
 
 
