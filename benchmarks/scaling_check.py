@@ -7,15 +7,11 @@ lowered from abstract arrays (jax.ShapeDtypeStruct with the trainer's shardings:
 allocated; rows() first checks that the two compile to the same collectives on the tiny preset. Fewer layers
 than the preset's keep the compile short; the model is evaluated for the same layer count, so nothing is
 scaled. XLA's CPU backend runs bfloat16 matmuls in float32, so activations the step moves are float32 here.
-
-Each FSDP mesh compiles twice: as built, and with rows_split's what-if (the residual stream constrained to
-rows split over data x fsdp at every block), which shows what the partitioner does when told FSDP's layout.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import os
 
@@ -27,7 +23,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import models
-import models.gpt
 from attnlayers.fp8 import FP8Meta
 from benchmarks import collectives, report, scaling_model
 from train import mesh as train_mesh
@@ -41,8 +36,6 @@ MESHES = ({"data": 8, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 8, "tensor": 
           {"data": 1, "fsdp": 4, "tensor": 2})
 CONFIGS = (("tiny", None), ("gpt-1b", 2), ("gpt-7b", 2))  # preset, layers compiled (None: the preset's)
 LARGEST = 3  # collectives listed per compiled step
-AS_BUILT, ROWS_SPLIT = "as built", "rows split"
-RESIDUAL = (AS_BUILT, ROWS_SPLIT)  # the step as the trainer compiles it; and with rows_split's what-if
 
 
 def use_cpu_devices(n: int = DEVICES) -> None:
@@ -99,19 +92,17 @@ def _batch_args(cfg: models.GPTConfig, sizes: dict[str, int], rows: int, mesh) -
   return {"inputs": token, "targets": token}, jax.ShapeDtypeStruct((), jnp.int32)
 
 
-def compare(name: str, layers: int | None, sizes: dict[str, int], residual: str = AS_BUILT,
-            rows: int = 1) -> tuple[list[dict], list[dict]]:
-  """For one preset, mesh and RESIDUAL variant: a row per collective kind, the HLO's count and bytes beside the
+def compare(name: str, layers: int | None, sizes: dict[str, int], rows: int = 1) -> tuple[list[dict], list[dict]]:
+  """For one preset and mesh: a row per collective kind, the HLO's count and bytes beside the
   model's, and a row for reductions of either kind (XLA's CPU pipeline emits an all-reduce and a slice where a
   GPU's emits a reduce-scatter); and the LARGEST collectives of the HLO by bytes, alike ones (kind, array,
   jax operation) together."""
   cfg = models.preset(name) if layers is None else dataclasses.replace(models.preset(name), n_layer=layers)
-  with rows_split(sizes) if residual == ROWS_SPLIT else contextlib.nullcontext():
-    found = collectives.parse(compiled_step(cfg, sizes, rows))
+  found = collectives.parse(compiled_step(cfg, sizes, rows))
   hlo = collectives.summarize(found)
   predicted = scaling_model.transfers(cfg, sizes, rows, regather=False)
   payload, count = scaling_model.per_kind(predicted), scaling_model.per_kind(predicted, lambda x: x.count)
-  key = {"preset": name, "layers": cfg.n_layer, "mesh": scaling_model.describe(sizes), "residual": residual}
+  key = {"preset": name, "layers": cfg.n_layer, "mesh": scaling_model.describe(sizes)}
   row = lambda kind, h_count, h, m_count, m: key | {
       "kind": kind, "hlo_count": h_count, "model_count": m_count, "hlo_bytes": h, "model_bytes": m,
       "ratio": round(h / m, 4) if m else None}
@@ -128,25 +119,6 @@ def compare(name: str, layers: int | None, sizes: dict[str, int], residual: str 
     entry[1] += c.payload * c.runs
   top = sorted(alike.items(), key=lambda kv: -kv[1][1])[:LARGEST]
   return out, [key | {"kind": k, "array": a, "op": op, "count": n, "bytes": b} for (k, a, op), (n, b) in top]
-
-
-@contextlib.contextmanager
-def rows_split(sizes: dict[str, int]):
-  """A what-if, not the trainer: while it lasts, every block of models.gpt constrains the residual stream it
-  takes and gives, (B, T, D), to rows split over the batch's mesh axes (data x fsdp), as FSDP assumes.
-  Without it the partitioner is free to split that stream otherwise, and with parameters split on their
-  embed axis it does (the as-built rows)."""
-  call = models.gpt.Block.__call__
-  rows = NamedSharding(train_mesh.make(sizes), P(train_mesh.BATCH))
-  split = lambda a: a if a is None else jax.lax.with_sharding_constraint(a, rows)
-
-  def constrained(self, x, y=None, *args, **kwargs):
-    return tuple(map(split, call(self, split(x), split(y), *args, **kwargs)))
-  models.gpt.Block.__call__ = constrained
-  try:
-    yield
-  finally:
-    models.gpt.Block.__call__ = call
 
 
 def same_as_trainer(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = 1) -> None:
@@ -180,15 +152,14 @@ def rows() -> tuple[list[dict], list[dict]]:
   table, largest = [], []
   for name, layers in CONFIGS:
     for sizes in MESHES:
-      for residual in RESIDUAL if sizes["fsdp"] > 1 else RESIDUAL[:1]:
-        a, b = compare(name, layers, sizes, residual)
-        table += a
-        largest += b
+      a, b = compare(name, layers, sizes)
+      table += a
+      largest += b
   return table, largest
 
 
-COLS = ["preset", "layers", "mesh", "residual", "kind", "hlo_count", "model_count", "hlo_bytes", "model_bytes", "ratio"]
-LARGEST_COLS = ["preset", "layers", "mesh", "residual", "kind", "array", "op", "count", "bytes"]
+COLS = ["preset", "layers", "mesh", "kind", "hlo_count", "model_count", "hlo_bytes", "model_bytes", "ratio"]
+LARGEST_COLS = ["preset", "layers", "mesh", "kind", "array", "op", "count", "bytes"]
 
 
 def markdown(table: list[dict], largest: list[dict]) -> str:

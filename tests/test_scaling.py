@@ -171,15 +171,15 @@ def test_every_layout_fits_its_mesh(name):
 
 def test_the_checked_step_is_the_trainers_and_fsdp_moves_what_the_model_says():
   """On 8 CPU devices: the abstract step benchmarks.scaling_check compiles has train.step.build's collectives on
-  tiny; and with the residual stream split by rows (FSDP's layout), fsdp=8 gathers the split parameters and
-  reduces the gradients that the model counts, to within the few small vectors and scalars it leaves out."""
+  tiny; and on fsdp=8 it gathers the split parameters and reduces the gradients that the model counts, to
+  within the few small vectors and scalars it leaves out."""
   code = """if True:
     import json
     import models
     from benchmarks import scaling_check
     scaling_check.use_cpu_devices(8)
     scaling_check.same_as_trainer(models.preset("tiny"), {"data": 1, "fsdp": 4, "tensor": 2})
-    rows, _ = scaling_check.compare("tiny", None, {"data": 1, "fsdp": 8, "tensor": 1}, scaling_check.ROWS_SPLIT)
+    rows, _ = scaling_check.compare("tiny", None, {"data": 1, "fsdp": 8, "tensor": 1})
     print(json.dumps(rows))
   """
   rows = {r["kind"]: r for r in on_8_devices(code)}
