@@ -52,7 +52,7 @@ def main(argv=None) -> None:
   p.add_argument("--no-check", action="store_true", help="the model's tables only: skip compiling on 8 CPU devices")
   a = p.parse_args(argv)
   common.check_out(p, a.out)
-  check, largest = ([], []) if a.no_check else scaling_check.rows()  # first: it sets up 8 CPU devices
+  check, largest, memory = ([], [], []) if a.no_check else scaling_check.rows()  # first: it sets up 8 CPU devices
   sections = []
   tables = {}
   for name in PRESETS:
@@ -62,11 +62,11 @@ def main(argv=None) -> None:
                     "data-parallel rank\n\n"
                     + report.markdown_table(tables[name], MEMORY_COLS))
   if check:
-    sections.append(scaling_check.markdown(check, largest))
+    sections.append(scaling_check.markdown(check, largest, memory))
   text = "\n\n".join(sections)
   os.makedirs(a.out, exist_ok=True)
   env = common.environment()
-  rows = [r for rs in tables.values() for r in rs] + check + largest
+  rows = [r for rs in tables.values() for r in rs] + check + largest + memory
   report.write_json(os.path.join(a.out, "scaling.json"), env, rows)
   with open(os.path.join(a.out, "scaling.md"), "w") as f:
     f.write(f"# Scaling model: per-device memory (GiB) and collective bytes per step (GB, by a ring)\n\n"

@@ -49,17 +49,17 @@ def use_cpu_devices(n: int = DEVICES) -> None:
                        f"{jax.device_count()} before it could set {flag}: run it in a fresh process")
 
 
-def trainer_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> str:
-  """The HLO text of train.step.build's own step, compiled for a mesh of `sizes` with `rows` rows of cfg.seq_len
-  per data-parallel rank. build makes the weights: for small configs only (compiled_step takes any size)."""
+def trainer_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> jax.stages.Compiled:
+  """train.step.build's own step, compiled for a mesh of `sizes` with `rows` rows of cfg.seq_len per
+  data-parallel rank. build makes the weights: for small configs only (compiled_step takes any size)."""
   mesh = train_mesh.make(sizes)
   model, state = step_lib.build(TrainConfig(model=cfg, batch_size=_batch(sizes, rows)), mesh)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-  return model.train_step.lower(abstract, *_batch_args(cfg, sizes, rows, mesh)).compile().as_text()
+  return model.train_step.lower(abstract, *_batch_args(cfg, sizes, rows, mesh)).compile()
 
 
-def compiled_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> str:
-  """trainer_step's HLO text without any weights: the same step (train.step.build's: value_and_grad of
+def compiled_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> jax.stages.Compiled:
+  """trainer_step without any weights: the same step (train.step.build's: value_and_grad of
   batch_loss, AdamW, applied; the same shardings, out_shardings and mesh contexts), lowered from abstract arrays.
   rows() checks that the two compile to the same collectives on the tiny preset."""
   mesh = train_mesh.make(sizes)
@@ -79,7 +79,7 @@ def compiled_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> st
   jitted = jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, NamedSharding(mesh, P())),
                    compiler_options=step_lib.STEP_COMPILER_OPTIONS)
   on_mesh = step_lib._OnMesh(mesh, train_mesh.rules(mesh, cfg), jitted)  # the trainer's mesh contexts
-  return on_mesh.lower(abstract, *_batch_args(cfg, sizes, rows, mesh)).compile().as_text()
+  return on_mesh.lower(abstract, *_batch_args(cfg, sizes, rows, mesh)).compile()
 
 
 def _batch(sizes: dict[str, int], rows: int) -> int:
@@ -92,13 +92,18 @@ def _batch_args(cfg: models.GPTConfig, sizes: dict[str, int], rows: int, mesh) -
   return {"inputs": token, "targets": token}, jax.ShapeDtypeStruct((), jnp.int32)
 
 
-def compare(name: str, layers: int | None, sizes: dict[str, int], rows: int = 1) -> tuple[list[dict], list[dict]]:
+def compare(name: str, layers: int | None, sizes: dict[str, int], rows: int = 1) -> tuple[list[dict], list[dict],
+                                                                                           dict]:
   """For one preset and mesh: a row per collective kind, the HLO's count and bytes beside the
   model's, and a row for reductions of either kind (XLA's CPU pipeline emits an all-reduce and a slice where a
-  GPU's emits a reduce-scatter); and the LARGEST collectives of the HLO by bytes, alike ones (kind, array,
-  jax operation) together."""
+  GPU's emits a reduce-scatter); the LARGEST collectives of the HLO by bytes, alike ones (kind, array,
+  jax operation) together; and a row of memory: the compiled step's arguments per device (the state it
+  donates and the batch's token ids; jit drops the unused step number) beside the model's parameters and
+  optimizer state, and the temporary buffers XLA plans beyond them (gradients, activations, gathered weights;
+  float32 on a CPU)."""
   cfg = models.preset(name) if layers is None else dataclasses.replace(models.preset(name), n_layer=layers)
-  found = collectives.parse(compiled_step(cfg, sizes, rows))
+  compiled = compiled_step(cfg, sizes, rows)
+  found = collectives.parse(compiled.as_text())
   hlo = collectives.summarize(found)
   predicted = scaling_model.transfers(cfg, sizes, rows, regather=False)
   payload, count = scaling_model.per_kind(predicted), scaling_model.per_kind(predicted, lambda x: x.count)
@@ -118,12 +123,17 @@ def compare(name: str, layers: int | None, sizes: dict[str, int], rows: int = 1)
     entry[0] += c.runs
     entry[1] += c.payload * c.runs
   top = sorted(alike.items(), key=lambda kv: -kv[1][1])[:LARGEST]
-  return out, [key | {"kind": k, "array": a, "op": op, "count": n, "bytes": b} for (k, a, op), (n, b) in top]
+  largest = [key | {"kind": k, "array": a, "op": op, "count": n, "bytes": b} for (k, a, op), (n, b) in top]
+  held, model = compiled.memory_analysis(), scaling_model.memory(cfg, sizes, rows)
+  state = model["params"] + model["optimizer"]
+  memory = key | {"hlo_argument_bytes": held.argument_size_in_bytes, "model_state_bytes": state,
+                  "ratio": round(held.argument_size_in_bytes / state, 6), "hlo_temp_bytes": held.temp_size_in_bytes}
+  return out, largest, memory
 
 
 def same_as_trainer(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = 1) -> None:
   """Raises unless compiled_step's program has trainer_step's collectives, one by one (kind, arrays, runs)."""
-  ours, theirs = (collectives.parse(f(cfg, sizes, rows)) for f in (compiled_step, trainer_step))
+  ours, theirs = (collectives.parse(f(cfg, sizes, rows).as_text()) for f in (compiled_step, trainer_step))
   key = lambda found: sorted((c.kind, c.arrays, c.runs) for c in found)
   if key(ours) != key(theirs):
     raise AssertionError(f"on --mesh {scaling_model.describe(sizes)} the abstract step compiles to other "
@@ -143,27 +153,36 @@ def _op(op: str) -> str:
   return f"{op.count(':') + 1} combined" if ":" in op else op
 
 
-def rows() -> tuple[list[dict], list[dict]]:
-  """compare's rows for every config of CONFIGS on every mesh of MESHES, on DEVICES CPU devices, once
-  compiled_step is seen to compile to trainer_step's collectives on the tiny preset."""
+def rows() -> tuple[list[dict], list[dict], list[dict]]:
+  """compare's rows (collectives, largest collectives, memory) for every config of CONFIGS on every mesh of
+  MESHES, on DEVICES CPU devices, once compiled_step is seen to compile to trainer_step's collectives on the
+  tiny preset."""
   use_cpu_devices()
   for sizes in MESHES:
     same_as_trainer(models.preset("tiny"), sizes)
-  table, largest = [], []
+  table, largest, memory = [], [], []
   for name, layers in CONFIGS:
     for sizes in MESHES:
-      a, b = compare(name, layers, sizes)
+      a, b, c = compare(name, layers, sizes)
       table += a
       largest += b
-  return table, largest
+      memory.append(c)
+  return table, largest, memory
 
 
 COLS = ["preset", "layers", "mesh", "kind", "hlo_count", "model_count", "hlo_bytes", "model_bytes", "ratio"]
 LARGEST_COLS = ["preset", "layers", "mesh", "kind", "array", "op", "count", "bytes"]
+MEMORY_COLS = ["preset", "layers", "mesh", "hlo_argument_bytes", "model_state_bytes", "ratio", "hlo_temp_bytes"]
 
 
-def markdown(table: list[dict], largest: list[dict]) -> str:
-  return ("## The model against the compiled step\n\n"
+def markdown(table: list[dict], largest: list[dict], memory: list[dict]) -> str:
+  return ("## The model against the compiled step: memory\n\n"
+          "Per device: the step's arguments (the state it donates, AdamW's two int32 counts among it, and the "
+          "batch's token ids) against the model's parameters and AdamW moments; hlo_temp_bytes: what XLA's CPU "
+          "program holds beyond its arguments at its peak (gradients, activations in float32, gathered "
+          "weights), not modelled here.\n\n"
+          + report.markdown_table(memory, MEMORY_COLS)
+          + "\n\n## The model against the compiled step: collectives\n\n"
           "8 CPU devices; bytes: each collective's whole array (an all-gather's result, an all-reduce's or "
           "reduce-scatter's operand) per device, summed over the step; model: benchmarks.scaling_model.transfers with "
           "regather=False (the step keeps each gathered weight for its backward).\n\n"

@@ -172,18 +172,23 @@ def test_every_layout_fits_its_mesh(name):
 def test_the_checked_step_is_the_trainers_and_fsdp_moves_what_the_model_says():
   """On 8 CPU devices: the abstract step benchmarks.scaling_check compiles has train.step.build's collectives on
   tiny; and on fsdp=8 it gathers the split parameters and reduces the gradients that the model counts, to
-  within the few small vectors and scalars it leaves out."""
+  within the few small vectors and scalars it leaves out, and takes the parameters and optimizer state the
+  model says a device holds."""
   code = """if True:
     import json
     import models
     from benchmarks import scaling_check
     scaling_check.use_cpu_devices(8)
     scaling_check.same_as_trainer(models.preset("tiny"), {"data": 1, "fsdp": 4, "tensor": 2})
-    rows, _ = scaling_check.compare("tiny", None, {"data": 1, "fsdp": 8, "tensor": 1})
-    print(json.dumps(rows))
+    rows, _, memory = scaling_check.compare("tiny", None, {"data": 1, "fsdp": 8, "tensor": 1})
+    print(json.dumps([rows, memory]))
   """
-  rows = {r["kind"]: r for r in on_8_devices(code)}
+  found, memory = on_8_devices(code)
+  rows = {r["kind"]: r for r in found}
   gather = rows["all-gather"]
   assert gather["model_bytes"] <= gather["hlo_bytes"] <= 1.02 * gather["model_bytes"]  # and (d,) vectors, token ids
   both = rows["all-reduce+reduce-scatter"]
   assert both["model_bytes"] <= both["hlo_bytes"] <= both["model_bytes"] + 64  # the loss's and norms' scalars
+  tokens = 2 * 4 * 128  # one row of inputs and one of targets, int32, on each device
+  # and AdamW's two int32 counts (the step number is unused without dropout, and jit drops unused arguments)
+  assert memory["hlo_argument_bytes"] - memory["model_state_bytes"] - tokens == 8
