@@ -12,11 +12,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
 
+import models
 from tests import reference
+from train import mesh as mesh_lib
 from train import stepdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -237,3 +240,13 @@ def test_a_bad_mesh_exits_2_before_anything_compiles(tmp_path):
   for (mesh, _), want, got in zip(REFUSED, REFUSED.values(), results):
     assert got["code"] == 2 and want in got["error"], (mesh, got)
     assert got["error"].count("\n") == 1 and got["compiled"] == [], (mesh, got)
+
+
+def test_key_value_heads_held_whole_are_said_and_left_unsplit():
+  tiny = models.preset("tiny")  # 4 heads, 2 key/value heads
+  assert mesh_lib.notices({"data": 2, "fsdp": 1, "tensor": 4}, tiny) == [
+      "--mesh tensor=4: the 2 key/value heads (n_kv_head) are not split 4 ways; every device of the tensor axis "
+      "holds all of them, and the attention repeats them per query head (the query heads are split)"]
+  assert mesh_lib.notices({"data": 4, "fsdp": 1, "tensor": 2}, tiny) == []
+  on = lambda tensor: dict(mesh_lib.rules(types.SimpleNamespace(shape={"tensor": tensor}), tiny))  # rules read .shape
+  assert (on(4)["kv_heads"], on(4)["heads"]) == (None, "tensor") and on(2)["kv_heads"] == "tensor"
