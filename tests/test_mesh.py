@@ -12,11 +12,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
 
+import models
 from tests import reference
+from train import mesh as mesh_lib
 from train import stepdirs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,11 +52,11 @@ def _last_json(done: subprocess.CompletedProcess):
 # Trains the tiny preset 20 steps on one device and on each mesh (the trainer's own build, batches and step), and
 # records each mesh's losses, where each parameter lies, and the bytes each device holds.
 _TRAIN_ON_MESHES = textwrap.dedent("""
-    import json, sys
-    import jax
+    import json, sys, tempfile
+    import jax, numpy as np
     from flax import nnx
     import models
-    from train import data, step, mesh as mesh_lib
+    from train import checkpoint, data, step, mesh as mesh_lib
     from train.config import TrainConfig
     from train.session import Batches
     path, meshes = sys.argv[1], sys.argv[2].split(";")
@@ -87,6 +90,21 @@ _TRAIN_ON_MESHES = textwrap.dedent("""
       out[f"{backend} {name}"] = {"losses": losses, "params": params, "mesh": dict(mesh.shape),
                                   "total_bytes": sum(a.nbytes for a in arrays), "most_bytes": max(held.values()),
                                   "moments_as_params": all(moments) and len(moments) == 2 * len(params)}
+      if name == "fsdp=8":
+        saved = state
+    # the fsdp=8 state saved, and restored into fsdp=4 x tensor=2's state: each array in the new mesh's sharding
+    cfg = TrainConfig(model=models.preset("tiny", seq_len=32, backend="xla"), steps=20, batch_size=8, data=path,
+                      progress=False)
+    with tempfile.TemporaryDirectory() as d:
+      ckpts = checkpoint.Checkpoints(d + "/run")
+      ckpts.save(20, saved, {"step": 20})
+      _, like = step.build(cfg, mesh_lib.make(mesh_lib.parse(meshes[2], 8)))
+      restored = ckpts.restore(20, like)
+      ckpts.close()
+    pairs = list(zip(jax.tree.leaves(restored), jax.tree.leaves(like), jax.tree.leaves(saved)))
+    out["restored"] = {"as_target": all(r.sharding == l.sharding for r, l, _ in pairs),
+                       "split": sum(not l.sharding.is_fully_replicated for _, l, _ in pairs),
+                       "equal": all(np.array_equal(np.asarray(r), np.asarray(s)) for r, _, s in pairs)}
     print(json.dumps(out))
 """)
 
@@ -124,6 +142,14 @@ def test_fsdp_holds_an_eighth_of_parameters_and_optimizer_state_per_device(meshe
   print(f"fsdp=8: {run['most_bytes']} of {run['total_bytes']} bytes on the fullest device")
   assert run["most_bytes"] <= 1.05 / 8 * run["total_bytes"], run
   assert meshes["xla data=8"]["most_bytes"] == meshes["xla data=8"]["total_bytes"]  # data parallel: all of it
+
+
+@pytest.mark.slow
+def test_a_checkpoint_restores_into_the_new_meshs_shardings(meshes):
+  """fsdp=8's state, saved and restored for fsdp=4 x tensor=2: each array is read into that mesh's sharding (each
+  device its own part), the values unchanged."""
+  restored = meshes["restored"]
+  assert restored["as_target"] and restored["equal"] and restored["split"] > 0, restored
 
 
 def _train(*args, devices: int) -> subprocess.CompletedProcess:
@@ -214,3 +240,13 @@ def test_a_bad_mesh_exits_2_before_anything_compiles(tmp_path):
   for (mesh, _), want, got in zip(REFUSED, REFUSED.values(), results):
     assert got["code"] == 2 and want in got["error"], (mesh, got)
     assert got["error"].count("\n") == 1 and got["compiled"] == [], (mesh, got)
+
+
+def test_key_value_heads_held_whole_are_said_and_left_unsplit():
+  tiny = models.preset("tiny")  # 4 heads, 2 key/value heads
+  assert mesh_lib.notices({"data": 2, "fsdp": 1, "tensor": 4}, tiny) == [
+      "--mesh tensor=4: the 2 key/value heads (n_kv_head) are not split 4 ways; every device of the tensor axis "
+      "holds all of them, and the attention repeats them per query head (the query heads are split)"]
+  assert mesh_lib.notices({"data": 4, "fsdp": 1, "tensor": 2}, tiny) == []
+  on = lambda tensor: dict(mesh_lib.rules(types.SimpleNamespace(shape={"tensor": tensor}), tiny))  # rules read .shape
+  assert (on(4)["kv_heads"], on(4)["heads"]) == (None, "tensor") and on(2)["kv_heads"] == "tensor"

@@ -95,7 +95,8 @@ def notices(sizes: dict[str, int], model) -> list[str]:
   kv, t = model.n_kv_head or model.n_head, sizes["tensor"]
   if t > 1 and kv % t:
     return [f"--mesh tensor={t}: the {kv} key/value heads (n_kv_head) are not split {t} ways; every device of the "
-            "tensor axis holds all of them (the query heads are split)"]
+            "tensor axis holds all of them, and the attention repeats them per query head (the query heads are "
+            "split)"]
   return []
 
 
