@@ -74,6 +74,7 @@ def test_a_loop_of_unknown_length_around_a_collective_is_refused():
     collectives.parse(unknown)
 
 
+@pytest.mark.slow  # a python process of its own, on 8 CPU devices
 def test_the_reader_on_a_sharded_program_compiled_for_8_devices():
   """An (8, 64) float32 array split over 8 CPU devices and gathered whole: one all-gather of 2048 bytes from
   256; its column sums made whole: one all-reduce of the (64,) partial sums, 256 bytes."""
@@ -169,6 +170,7 @@ def test_every_layout_fits_its_mesh(name):
     assert row["total_gib"] > 0 and row["comm_gb"] > 0, row
 
 
+@pytest.mark.slow  # a python process of its own, on 8 CPU devices
 def test_the_checked_step_is_the_trainers_and_fsdp_moves_what_the_model_says():
   """On 8 CPU devices: the abstract step benchmarks.scaling_check compiles has train.step.build's collectives on
   tiny; and on fsdp=8 it gathers the split parameters and reduces the gradients that the model counts, to
