@@ -110,10 +110,12 @@ class _Split:
     """fn(h, w, targets) on every device of the mesh, over its own tokens (B split over rows, T over
     positions), with w whole; out_specs: shard_map's, for what fn returns. fn reduces its sums itself
     (check_vma=False: the chunk loop's carry starts the same on every device and varies after a chunk, which
-    jax's type check of scan refuses). h comes in split over rows only: positions split inside, so that XLA
-    does not carry that split into the layers before."""
+    jax's type check of scan refuses). Where positions are split, h is held to its rows' split going in (and
+    the caller holds dh to it coming out): XLA's partitioner would otherwise carry the split of T into the
+    layers before (all-to-alls in the attention)."""
     tokens = P(self.rows, self.positions or None)  # (B, T)
-    h = lax.with_sharding_constraint(h, P(self.rows, None, None))  # (B, T, D)
+    if self.positions:
+      h = lax.with_sharding_constraint(h, P(self.rows, None, None))  # (B, T, D)
     return jax.shard_map(fn, mesh=self.mesh, in_specs=(P(*tokens, None), P(), tokens), out_specs=out_specs,
                          check_vma=False)(h, w, targets)
 
@@ -280,7 +282,8 @@ def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype, kernel, split):
       total, dh, dw = sums(h, w, t)
       return lax.psum(total, split.axes), split.reduce(dw), dh
     total, dw, dh = split.run(local, h, w, targets, (P(), split.dw, P(split.rows, split.positions or None, None)))
-    dh = lax.with_sharding_constraint(dh, P(split.rows, None, None))  # (B, T, D) gathered over positions: h's layout
+    if split.positions:
+      dh = lax.with_sharding_constraint(dh, P(split.rows, None, None))  # (B, T, D) gathered over positions: h's layout
   else:
     total, dh, dw = sums(h, w, targets)
   return total / N, (dh, (dw / N).astype(w.dtype))
