@@ -5,16 +5,21 @@ XLA's CPU device count is fixed when jax starts, so the 8-device work runs in a 
 (--xla_force_host_platform_device_count=8).
 """
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from models.loss import head_cross_entropy
 from tests import reference
+from train import mesh as mesh_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (mesh, B, T): B split over data x fsdp; T split over tensor where it divides T (12), else each tensor rank
@@ -57,6 +62,20 @@ _ON_MESHES = textwrap.dedent("""
         out.append({"case": [text, B, T], "kernel": kernel, **runs})
     print(json.dumps(out))
 """)
+
+
+def test_without_a_split_batch_the_loss_runs_its_loop_over_the_whole_batch():
+  """No mesh, no rules, or a mesh whose batch axes are of size 1 (one device): the program has no shard_map,
+  the single-device path that tests/test_gpu_loss.py times."""
+  kh, kw, kt = jax.random.split(jax.random.key(0), 3)
+  h, w, t = jax.random.normal(kh, (2, 12, D)), jax.random.normal(kw, (V, D)), jax.random.randint(kt, (2, 12), 0, V)
+  mesh = mesh_lib.make(mesh_lib.parse(None, 1), jax.devices()[:1])
+  grad = jax.grad(lambda h, w: head_cross_entropy(h, w, t, chunk=CHUNK), (0, 1))
+  for on_mesh, rules in ((False, False), (True, False), (False, True), (True, True)):
+    with jax.set_mesh(mesh) if on_mesh else contextlib.nullcontext(), \
+         nnx.logical_axis_rules(mesh_lib.RULES if rules else ()):
+      program = str(jax.make_jaxpr(grad)(h, w))
+    assert "shard_map" not in program and "scan" in program, (on_mesh, rules)
 
 
 @pytest.fixture(scope="module")
