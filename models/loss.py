@@ -12,12 +12,16 @@ blocks ever exist, and the backward is two saved arrays times the incoming scala
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import spmd
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from models import ops
@@ -57,6 +61,16 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   logits, where w is bfloat16 or float32; models.ops.softmax_grad, two reads, for float16) or "interpret"
   (that kernel through the Pallas interpreter, any backend, slow: for tests). The same float32 formula,
   rounded differently: models.ops.softmax_onepass's path never rounds the target's entry, p - 1.
+
+  On a mesh (jax.set_mesh, Auto axes) with Flax's logical axis rules in context (nnx.logical_axis_rules)
+  whose rule for "batch" splits B: every device runs the chunk loop over its own tokens (`chunk` then counts
+  a device's tokens), with w gathered whole once, and the loss and dw are reduced once, after the loop, not
+  once per chunk. Its tokens are its rows (B split over the "batch" axes) and, where the mesh's other axes
+  (tensor) divide T, a part of their positions: the loss is not computed again on every device of those
+  axes. dw is reduce-scattered into w's layout by the rules for "vocab" and "embed" (where the axes divide
+  V and D) and all-reduced over the rest; dh comes back in h's layout (B split over the "batch" axes).
+  Without a mesh or rules, or with a B they do not divide, the loop runs over the whole batch: on a mesh,
+  XLA's partitioner then splits each chunk, and reduces dw once per chunk.
   """
   if h.ndim != 3 or w.ndim != 2 or h.shape[-1] != w.shape[-1]:
     raise ValueError(f"h must be (B, T, D) and w (V, D) with the same D; got h {tuple(h.shape)}, w {tuple(w.shape)}")
@@ -77,14 +91,75 @@ def head_cross_entropy(h: Float[Array, "B T D"], w: Float[Array, "V D"], targets
   if logits_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(h.dtype)):
     raise ValueError(f"logits_dtype must be float32 or the compute dtype {h.dtype}; got {logits_dtype}")
   kernel, _ = ops.resolve(kernel, h, w)
-  return _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel)
+  return _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel, _split(h.shape, w.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+  """How head_cross_entropy splits its tokens over the mesh in context, and where dw goes out."""
+  mesh: jax.sharding.AbstractMesh
+  rows: tuple[str, ...]  # the mesh axes B is split over: the rules' "batch"
+  positions: tuple[str, ...]  # the mesh's other axes, T split over them where they divide it, else ()
+  dw: P  # dw's layout out of the loss: w's by the rules for "vocab" and "embed", over axes of rows + positions
+
+  @property
+  def axes(self) -> tuple[str, ...]:  # every mesh axis the tokens are split over
+    return self.rows + self.positions
+
+  def run(self, fn, h, w, targets, out_specs):
+    """fn(h, w, targets) on every device of the mesh, over its own tokens (B split over rows, T over
+    positions), with w whole; out_specs: shard_map's, for what fn returns. fn reduces its sums itself
+    (check_vma=False: the chunk loop's carry starts the same on every device and varies after a chunk, which
+    jax's type check of scan refuses). Where positions are split, h is held to its rows' split going in (and
+    the caller holds dh to it coming out): XLA's partitioner would otherwise carry the split of T into the
+    layers before (all-to-alls in the attention)."""
+    tokens = P(self.rows, self.positions or None)  # (B, T)
+    if self.positions:
+      h = lax.with_sharding_constraint(h, P(self.rows, None, None))  # (B, T, D)
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=(P(*tokens, None), P(), tokens), out_specs=out_specs,
+                         check_vma=False)(h, w, targets)
+
+  def reduce(self, dw: Float[Array, "V D"]) -> Float[Array, "V D"]:
+    """Every device's float32 dw summed: reduce-scattered over the axes self.dw splits, all-reduced over the rest."""
+    for d, on in enumerate(self.dw):
+      if on:
+        dw = lax.psum_scatter(dw, on, scatter_dimension=d, tiled=True)
+    rest = tuple(a for a in self.axes if not any(a in on for on in self.dw if on))
+    return lax.psum(dw, rest) if rest else dw
+
+
+def _split(h_shape, w_shape) -> _Split | None:
+  """The split of the mesh and logical axis rules in context (head_cross_entropy's docstring); None where there
+  is no mesh of Auto axes, no rule for "batch", no axis of it larger than 1, or a B it does not divide."""
+  mesh = jax.sharding.get_abstract_mesh()
+  rules = dict(spmd.get_logical_axis_rules())
+  if mesh.empty or "batch" not in rules or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
+    return None  # no mesh, no rules, or axes XLA's partitioner does not place (inside a shard_map, Explicit)
+
+  def axes(name):  # the mesh axes larger than 1 that the rule for `name` names
+    rule = rules.get(name)
+    return tuple(a for a in ((rule,) if isinstance(rule, str) else rule or ()) if mesh.shape.get(a, 1) > 1)
+
+  span = lambda names: math.prod(mesh.shape[a] for a in names)
+  (B, T, _), (V, D) = h_shape, w_shape
+  rows = axes("batch")
+  if not rows or B % span(rows):
+    return None
+  others = tuple(a for a in mesh.axis_names if a not in rows and mesh.shape[a] > 1)
+  positions = others if T % span(others) == 0 else ()  # (): each device of them computes its rows whole
+
+  def dim(name, size):  # w's axis `name` split as train.mesh splits it, over the axes the tokens are split over
+    on = tuple(a for a in axes(name) if a in rows + positions)
+    return on if on and size % span(on) == 0 else None
+  return _Split(mesh, rows, positions, P(dim("vocab", V), dim("embed", D)))
 
 
 def _chunked(h, targets, chunk: int):
   """(B, T, D), (B, T) -> h (n, C, D), targets (n, C), real (n, C) bool; n = ceil(N / chunk), C = ceil(N / n).
 
-  Chunk k holds the flattened tokens k, k + n, k + 2n, ...: with the batch rows split over
-  devices, every chunk is split the same way (contiguous chunks would each sit on one device)."""
+  Chunk k holds the flattened tokens k, k + n, k + 2n, ...: where XLA's partitioner splits the batch rows
+  over devices (no _Split), every chunk is split the same way (contiguous chunks would each sit on one
+  device)."""
   B, T, D = h.shape
   N = B * T
   n = -(-N // chunk)
@@ -127,10 +202,8 @@ def _chunk_loss(h_c, w, t_c, real_c, logits_dtype):
   return jnp.sum(jnp.where(real_c, nll, 0.0)), logits, top, denom
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel):
-  del kernel  # evaluation computes no gradient: XLA's fusions are one read of each chunk
-  B, T, _ = h.shape
+def _loss_sum(h, w, targets, chunk, logits_dtype):
+  """The summed loss of h's tokens (float32): the chunk loop, loss only."""
   hs, ts, real = _chunked(h, targets, chunk)
 
   def step(total, xs):
@@ -138,7 +211,17 @@ def _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel):
     return total + total_c, None
 
   total, _ = lax.scan(step, jnp.zeros((), jnp.float32), (hs, ts, real))
-  return total / (B * T)
+  return total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _head_cross_entropy(h, w, targets, chunk, logits_dtype, kernel, split):
+  del kernel  # evaluation computes no gradient: XLA's fusions are one read of each chunk
+  B, T, _ = h.shape
+  local = functools.partial(_loss_sum, chunk=chunk, logits_dtype=logits_dtype)
+  if split is None:
+    return local(h, w, targets) / (B * T)
+  return split.run(lambda h, w, t: lax.psum(local(h, w, t), split.axes), h, w, targets, P()) / (B * T)
 
 
 def _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel):
@@ -159,13 +242,10 @@ def _chunk_grad(h_c, w, t_c, real_c, logits_dtype, kernel):
   return jnp.sum(nll), g, None
 
 
-def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype, kernel):
-  """The loss and, in the same chunk loop, its gradients: d loss / d logits = (softmax - onehot) / N.
-
-  The 1/N is applied to the float32 matmul results, not to softmax - onehot before its cast to the
-  compute dtype: in float16, (1/V) / N (6e-10 for gpt2-small) would underflow to 0."""
+def _sums_and_grads(h, w, targets, chunk, logits_dtype, kernel, N):
+  """The summed loss of h's tokens, dh (B, T, D) in h's dtype, and the float32 sum dw (V, D) = (softmax - onehot)^T h
+  over them: the chunk loop, differentiated. dh is d loss / dh for a loss that is a mean over N tokens."""
   B, T, D = h.shape
-  V, N = w.shape[0], B * T
   hs, ts, real = _chunked(h, targets, chunk)
 
   def step(carry, xs):
@@ -183,12 +263,33 @@ def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype, kernel):
     dw = dw + lax.dot_general(g, h_c, _CONTRACT_C, preferred_element_type=jnp.float32)  # (V, D)
     return (total + total_c, dw), (dh_c / N).astype(h.dtype)
 
-  zeros = (jnp.zeros((), jnp.float32), jnp.zeros((V, D), jnp.float32))
+  zeros = (jnp.zeros((), jnp.float32), jnp.zeros((w.shape[0], D), jnp.float32))
   (total, dw), dhs = lax.scan(step, zeros, (hs, ts, real))  # dhs (n, C, D)
-  return total / N, (_unchunked(dhs, B, T), (dw / N).astype(w.dtype))
+  return total, _unchunked(dhs, B, T), dw
 
 
-def _head_cross_entropy_bwd(chunk, logits_dtype, kernel, residuals, g):
+def _head_cross_entropy_fwd(h, w, targets, chunk, logits_dtype, kernel, split):
+  """The loss and, in the same chunk loop, its gradients: d loss / d logits = (softmax - onehot) / N.
+
+  The 1/N is applied to the float32 matmul results, not to softmax - onehot before its cast to the
+  compute dtype: in float16, (1/V) / N (6e-10 for gpt2-small) would underflow to 0. On a mesh (split),
+  the sums are reduced over the devices before the 1/N and the cast."""
+  B, T, _ = h.shape
+  N = B * T
+  sums = functools.partial(_sums_and_grads, chunk=chunk, logits_dtype=logits_dtype, kernel=kernel, N=N)
+  if split is not None:
+    def local(h, w, t):
+      total, dh, dw = sums(h, w, t)
+      return lax.psum(total, split.axes), split.reduce(dw), dh
+    total, dw, dh = split.run(local, h, w, targets, (P(), split.dw, P(split.rows, split.positions or None, None)))
+    if split.positions:
+      dh = lax.with_sharding_constraint(dh, P(split.rows, None, None))  # (B, T, D) gathered over positions: h's layout
+  else:
+    total, dh, dw = sums(h, w, targets)
+  return total / N, (dh, (dw / N).astype(w.dtype))
+
+
+def _head_cross_entropy_bwd(chunk, logits_dtype, kernel, split, residuals, g):
   dh, dw = residuals  # (B, T, D), (V, D)
   return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None  # targets: ints, no cotangent
 
