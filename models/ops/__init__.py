@@ -10,7 +10,9 @@ A `kernel` argument names one of KERNELS: "xla" (XLA's fusions of the same float
 "pallas" (the kernels, compiled; a CUDA GPU only), "interpret" (the same kernels through the Pallas interpreter,
 any backend, slow: for tests) or "auto". "auto" picks "pallas" where the kernels compile and the process has
 one device, else "xla"; `resolve` says which and why. "pallas" where the kernels cannot compile is refused,
-never replaced; asked for with several devices it runs, but unsharded: each device computes all of its work.
+never replaced; asked for with several devices the LayerNorm and bias + GELU kernels run unsharded (each
+device computes all of their work), while the loss's runs on each device's own tokens (models.loss splits
+its chunk loop over a mesh's batch).
 
 The kernels need Pallas's Triton backend (jax.experimental.pallas.triton), which jax deprecates. Where this jax
 has none, every module here still imports, "auto" runs XLA's fusions and says why, and "pallas" and
