@@ -93,8 +93,9 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[Mo
 @dataclasses.dataclass(frozen=True)
 class _OnMesh:
   """A jitted function called, and lowered, inside its mesh's contexts, where jit traces it: jax's mesh
-  (jax.set_mesh), the logical axis rules that place the attention's heads (attnlayers.nnx), and, on several
-  devices, TransformerEngine's mesh axes (te-fp8's amax reductions; attnlayers.fp8.mesh_axes)."""
+  (jax.set_mesh), the logical axis rules that place the attention's heads (attnlayers.nnx) and the loss's
+  tokens (models.loss), and TransformerEngine's mesh axes (te-fp8's amax reductions; attnlayers.fp8.mesh_axes).
+  On one device none of them: the program is the one-device program it always was."""
   mesh: jax.sharding.Mesh
   rules: tuple  # train.mesh.rules of the model on the mesh
   fn: object  # the jitted function
@@ -102,9 +103,9 @@ class _OnMesh:
   @contextlib.contextmanager
   def context(self):
     with contextlib.ExitStack() as stack:
-      stack.enter_context(jax.set_mesh(self.mesh))
-      stack.enter_context(nnx.logical_axis_rules(self.rules))
       if self.mesh.size > 1:
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(nnx.logical_axis_rules(self.rules))
         stack.enter_context(fp8_lib.mesh_axes(dp="data", fsdp="fsdp", tp="tensor"))
       yield
 
