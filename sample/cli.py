@@ -24,7 +24,7 @@ import models
 from attnlayers.fp8 import FP8Meta
 from models.generate import SEEDS, Sampling, bucket, generate, rows_for
 from train import checkpoint, data, flags, reader, tokenizers
-from train.cli import LATEST, RUNS
+from train.rundirs import LATEST, RUNS
 
 DEFAULT_TOKENS = 200  # new tokens when --tokens is not given (fewer where the context has less room)
 PROMPT_CHARS = 1 << 24  # the most of --prompt-file read: far past any context, whatever a token's length

@@ -21,7 +21,7 @@ import models
 import models.generate
 from tests.test_train import write_shard
 from sample import cli as sample_cli
-from train import checkpoint, cli, hosts, lock, loop, reader, stepdirs, tokenizers
+from train import checkpoint, cli, hosts, lock, loop, reader, rundirs, stepdirs, tokenizers
 
 TRAIN = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "4", "--ckpt-every", "2",
          "--no-progress", "--eval-every", "0", "--log-every", "1", "--sample-tokens", "8"]
@@ -38,9 +38,9 @@ def trained(tmp_path_factory):
       cli.main(TRAIN)
   finally:
     os.chdir(before)
-  runs = [d for d in os.listdir(work / cli.RUNS) if d.startswith("train-")]
+  runs = [d for d in os.listdir(work / rundirs.RUNS) if d.startswith("train-")]
   assert len(runs) == 1, runs
-  return work, work / cli.RUNS / runs[0], out.getvalue()
+  return work, work / rundirs.RUNS / runs[0], out.getvalue()
 
 
 def sample_main(args, capsys, cwd=None) -> tuple[int, str, str]:
@@ -66,11 +66,11 @@ def snapshot(folder) -> dict:
 
 def test_train_keeps_the_model_and_prints_the_command_that_samples_it(trained, capsys):
   work, run, printed = trained
-  assert (work / cli.LATEST).read_text().strip() == run.name
+  assert (work / rundirs.LATEST).read_text().strip() == run.name
   assert stepdirs.listing(str(run)).ours == (2, 4)
   assert "sample:\n" in printed
   command = printed.strip().splitlines()[-2].strip()  # the last line is the run's summary
-  assert command.startswith(f"python -m sample --ckpt-dir {cli.RUNS}/{run.name} --prompt "), printed
+  assert command.startswith(f"python -m sample --ckpt-dir {rundirs.RUNS}/{run.name} --prompt "), printed
   code, out, err = sample_main(shlex.split(command)[3:] + ["--tokens", "5"], capsys, cwd=work)  # as printed
   assert code == 0, err
   assert "step 4, trained on python-stdlib" in out
@@ -92,7 +92,7 @@ def test_sample_prints_text_time_to_first_token_and_rate(trained, capsys):
 def test_no_ckpt_dir_samples_the_latest_run(trained, capsys):
   work, run, _ = trained
   code, out, err = sample_main(["--tokens", "4", "--temperature", "0"], capsys, cwd=work)
-  assert code == 0 and out.startswith(f"{cli.RUNS}/{run.name}: step 4"), err
+  assert code == 0 and out.startswith(f"{rundirs.RUNS}/{run.name}: step 4"), err
 
 
 def test_batch_draws_several_samples(trained, capsys):
@@ -415,9 +415,9 @@ def test_each_run_gets_a_new_folder_and_no_ckpt_keeps_none(tmp_path, monkeypatch
   cli.main(["--steps", "1"])  # within the same second, too
   cli.main(["--steps", "1", "--no-ckpt"])
   cli.main(["--steps", "1", "--ckpt-dir", "mine"])
-  assert seen[0] != seen[1] and all(s.startswith(f"{cli.RUNS}/train-") for s in seen[:2])
+  assert seen[0] != seen[1] and all(s.startswith(f"{rundirs.RUNS}/train-") for s in seen[:2])
   assert seen[2:] == [None, "mine"]
-  assert (tmp_path / cli.LATEST).read_text().strip() == os.path.basename(seen[1])  # explicit folders leave it be
+  assert (tmp_path / rundirs.LATEST).read_text().strip() == os.path.basename(seen[1])  # explicit folders leave it be
   assert "python -m sample --ckpt-dir mine" in capsys.readouterr().out
 
 
@@ -426,18 +426,18 @@ def test_runs_started_in_the_same_second_each_make_a_folder_of_their_own(tmp_pat
   name chosen free and made later let two runs share one folder, and the one refused its lock removed it."""
   import threading
   monkeypatch.chdir(tmp_path)
-  monkeypatch.setattr(cli.time, "strftime", lambda fmt: "20260101-000000")
+  monkeypatch.setattr(rundirs.time, "strftime", lambda fmt: "20260101-000000")
   start, made = threading.Barrier(8), []
   def race():
     start.wait()
-    made.append(cli.fresh_run_dir())
+    made.append(rundirs.fresh_run_dir())
   threads = [threading.Thread(target=race) for _ in range(8)]
   for t in threads:
     t.start()
   for t in threads:
     t.join()
   assert len(set(made)) == 8 and all(os.path.isdir(p) for p in made)
-  assert sorted(os.listdir(tmp_path / cli.RUNS))[:2] == ["train-20260101-000000", "train-20260101-000000-2"]
+  assert sorted(os.listdir(tmp_path / rundirs.RUNS))[:2] == ["train-20260101-000000", "train-20260101-000000-2"]
 
 
 def test_a_run_that_fails_before_saving_leaves_no_folder(tmp_path, monkeypatch, capsys):
@@ -447,7 +447,7 @@ def test_a_run_that_fails_before_saving_leaves_no_folder(tmp_path, monkeypatch, 
   with pytest.raises(SystemExit) as e:
     cli.main(["--steps", "1"])
   assert e.value.code == 2 and "the data is too short" in capsys.readouterr().err
-  assert not (tmp_path / cli.RUNS).exists()  # nor the runs/ folder it made
+  assert not (tmp_path / rundirs.RUNS).exists()  # nor the runs/ folder it made
 
 
 def test_a_ckpt_dir_the_run_made_is_removed_when_it_fails_before_saving(tmp_path, capsys):
@@ -513,14 +513,14 @@ def test_every_process_saves_in_the_run_folder_process_0_made(tmp_path, monkeypa
   me = _as_processes(monkeypatch)
   for me["index"] in (0, 1):
     cli.main(["--steps", "1"])
-  assert seen[0] == seen[1] and seen[0].startswith(f"{cli.RUNS}/train-")
-  assert sorted(os.listdir(tmp_path / cli.RUNS)) == sorted(["latest", os.path.basename(seen[0])])  # one folder
+  assert seen[0] == seen[1] and seen[0].startswith(f"{rundirs.RUNS}/train-")
+  assert sorted(os.listdir(tmp_path / rundirs.RUNS)) == sorted(["latest", os.path.basename(seen[0])])  # one folder
 
 
 def test_a_run_folder_process_0_cannot_make_stops_every_process_with_its_reason(tmp_path, monkeypatch, capsys):
   """Process 0 sends its failure as it would the path: the others stop with the same error instead of waiting."""
   monkeypatch.chdir(tmp_path)
-  (tmp_path / cli.RUNS).write_text("a file where the run folders go")
+  (tmp_path / rundirs.RUNS).write_text("a file where the run folders go")
   monkeypatch.setattr(loop, "run", lambda cfg, walk=None: pytest.fail("trained without a run folder"))
   me = _as_processes(monkeypatch)
   errors = []
@@ -529,7 +529,7 @@ def test_a_run_folder_process_0_cannot_make_stops_every_process_with_its_reason(
       cli.main(["--steps", "1"])
     assert e.value.code == 2
     errors.append(capsys.readouterr().err)
-  assert errors[0] == errors[1] == (f"error: cannot make a run folder in {cli.RUNS}/ (File exists); give --ckpt-dir "
+  assert errors[0] == errors[1] == (f"error: cannot make a run folder in {rundirs.RUNS}/ (File exists); give --ckpt-dir "
                                     "elsewhere, or --no-ckpt\n"), errors
 
 

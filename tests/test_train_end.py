@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from train import cli
+from train import cli, rundirs
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "2", "--no-progress",
         "--sample-tokens", "0", "--eval-every", "0", "--log-every", "1"]
@@ -54,6 +54,6 @@ def test_sigint_while_the_end_is_printed_exits_130_without_a_traceback(text, tmp
     ended = e
   err = capsys.readouterr().err
   assert isinstance(ended, SystemExit) and ended.code == 130, (ended, err)
-  run = os.path.join(cli.RUNS, open(tmp_path / cli.LATEST).read().strip())
+  run = os.path.join(rundirs.RUNS, open(tmp_path / rundirs.LATEST).read().strip())
   assert err.strip().splitlines()[-1] == f"stopped by SIGINT after the run ended; the model is saved in {run}", err
   assert "Traceback" not in err

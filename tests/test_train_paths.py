@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from train import cli, stepdirs
+from train import cli, rundirs, stepdirs
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "1", "--no-progress",
         "--sample-tokens", "0", "--eval-every", "0"]
@@ -23,7 +23,7 @@ def refused(tmp_path, capsys, monkeypatch):
       cli.main([*TINY, "--data", str(tmp_path / "d.txt"), *args])
     err = capsys.readouterr().err
     assert e.value.code == 2, err
-    assert not (tmp_path / cli.RUNS).exists()  # refused before the run's folder was made
+    assert not (tmp_path / rundirs.RUNS).exists()  # refused before the run's folder was made
     return err
   return run
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from train import checkpoint, cli, lock, undo
+from train import checkpoint, cli, lock, rundirs, undo
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--no-progress", "--sample-tokens", "0",
         "--eval-every", "0", "--log-every", "1"]
@@ -50,10 +50,10 @@ def test_a_refused_run_removes_the_lock_file_it_made_in_an_existing_folder(tmp_p
 def test_a_refused_fresh_run_removes_the_runs_folder_it_made(tmp_path, refused, monkeypatch):
   monkeypatch.chdir(tmp_path)
   refused()
-  assert not (tmp_path / cli.RUNS).exists()
-  (tmp_path / cli.RUNS / "train-earlier").mkdir(parents=True)  # one that was there stays, as it was
+  assert not (tmp_path / rundirs.RUNS).exists()
+  (tmp_path / rundirs.RUNS / "train-earlier").mkdir(parents=True)  # one that was there stays, as it was
   refused()
-  assert os.listdir(tmp_path / cli.RUNS) == ["train-earlier"]
+  assert os.listdir(tmp_path / rundirs.RUNS) == ["train-earlier"]
 
 
 def test_a_refused_run_removes_the_folders_it_made_on_the_way_to_its_outputs(tmp_path, refused):

@@ -22,7 +22,6 @@ import os
 import shlex
 import signal
 import sys
-import time
 
 import jax
 
@@ -31,11 +30,9 @@ from attnlayers import device, spec
 from train.flags import Help, Parser, address, int_at_least, path, positive_float
 import models
 from attnlayers.fp8 import FP8Unavailable
-from train import (checkpoint, config, data, diskspace, hosts, lock, loop, mesh, metrics, overlap, report, signals,
-                   stepdirs, tokenizers, undo)
+from train import (checkpoint, config, data, diskspace, hosts, lock, loop, mesh, metrics, overlap, report, rundirs,
+                   signals, stepdirs, tokenizers)
 
-RUNS = "runs"  # where runs without --ckpt-dir keep their checkpoints, one folder each
-LATEST = os.path.join(RUNS, "latest")  # the name of the newest finished one, for python -m sample
 SAMPLE_TOKENS = 200  # new tokens the end-of-run sample has by default, where they fit
 
 
@@ -91,10 +88,10 @@ def parser() -> argparse.ArgumentParser:
                  "(executables, compressed or random bytes) as bytes; default: refuse them")
   keep = p.add_mutually_exclusive_group()
   keep.add_argument("--ckpt-dir", type=path("--no-ckpt trains without checkpoints, and leaving out --ckpt-dir "
-                                             f"keeps them in a new folder in {RUNS}/"),
+                                             f"keeps them in a new folder in {rundirs.RUNS}/"),
                     help="save checkpoints here and resume from the newest intact one: a new or empty folder, or "
                          "one a run saved to (a folder of other files, or a step folder, is refused); default: a new "
-                         f"folder {RUNS}/train-YYYYmmdd-HHMMSS for this run")
+                         f"folder {rundirs.RUNS}/train-YYYYmmdd-HHMMSS for this run")
   keep.add_argument("--no-ckpt", action="store_true", help="keep no checkpoints (the model is lost at the end)")
   p.add_argument("--ckpt-every", type=one, help="steps between checkpoints (the last step is always saved); default: "
                  f"{config.TrainConfig.ckpt_every}")
@@ -132,60 +129,6 @@ def parser() -> argparse.ArgumentParser:
 def _sample_tokens(asked: int | None, seq_len: int) -> int:
   """--sample-tokens as given, or the default: SAMPLE_TOKENS, fewer where the context holds fewer after the prompt."""
   return report.sample_lengths(seq_len, SAMPLE_TOKENS)[1] if asked is None else asked
-
-
-def fresh_run_dir() -> str:
-  """A new folder under RUNS for a new run, named by its start time, made here: os.mkdir fails where the name
-  exists, so two runs started in the same second each get a folder of their own (the second "-2")."""
-  base = os.path.join(RUNS, "train-" + time.strftime("%Y%m%d-%H%M%S"))
-  os.makedirs(RUNS, exist_ok=True)
-  path, n = base, 2
-  while True:
-    try:
-      os.mkdir(path)
-      return path
-    except FileExistsError:
-      path, n = f"{base}-{n}", n + 1
-    except FileNotFoundError:  # a refused run that had made RUNS removed it, empty, since: make it again
-      os.makedirs(RUNS, exist_ok=True)
-
-
-class RunDirError(RuntimeError):
-  """The run's own folder could not be made (on process 0); every process raises it, with process 0's reason."""
-
-
-def agreed_run_dir() -> tuple[str, list[str]]:
-  """The folder fresh_run_dir makes on process 0, on every process (they must save to one folder), and the folders
-  above it process 0 made (RUNS, where it was not there; [] on the others); where process 0 cannot make it,
-  RunDirError on every process (hosts.on_process_0 sends the failure as it would the path)."""
-  made = []
-
-  def make() -> str:
-    try:
-      made.extend(undo.make_dirs(RUNS))
-      return fresh_run_dir()
-    except OSError as e:
-      undo.remove_empty(made)
-      raise RunDirError(f"cannot make a run folder in {RUNS}/ ({e.strerror or e}); give --ckpt-dir elsewhere, or "
-                        "--no-ckpt") from None
-  return hosts.on_process_0(make, errors=(RunDirError,), default=RunDirError), made
-
-
-def _discard_if_unused(path: str, above: list[str]) -> list[str]:
-  """Removes a run folder fresh_run_dir made for this run where it is empty (the run failed or was stopped before
-  saving; its checkpoints removed the lock file they made, while they held the lock), then the folders above it
-  that agreed_run_dir made (`above`), where empty; returns those it removed. A lock file still there stays: the
-  lock is released by now, so it may be another trainer's."""
-  if jax.process_index() == 0:
-    return undo.remove_empty(above + [os.path.abspath(path)])  # innermost first
-  return []
-
-
-def write_latest(path: str) -> None:
-  """Names `path` (a folder in RUNS) in RUNS/latest, replacing the file whole."""
-  with open(LATEST + ".tmp", "w", encoding="utf-8") as f:
-    f.write(os.path.basename(path) + "\n")
-  os.replace(LATEST + ".tmp", LATEST)
 
 
 def _sample_command(ckpt_dir: str, prompt: str | None, tokenizer: str) -> str:
@@ -228,7 +171,7 @@ def _checkpoint_flags(a: argparse.Namespace) -> str | None:
             f"none: leave out {' and '.join(given)}, or --no-ckpt")
   if a.allow_change and a.ckpt_dir is None:
     return (f"--allow-change applies to a resume from --ckpt-dir; without it the run starts in a new folder of its "
-            f"own ({RUNS}/train-YYYYmmdd-HHMMSS) with nothing to resume: give --ckpt-dir the folder to resume, or "
+            f"own ({rundirs.RUNS}/train-YYYYmmdd-HHMMSS) with nothing to resume: give --ckpt-dir the folder to resume, or "
             "leave out --allow-change")
   return None
 
@@ -327,7 +270,7 @@ class Start:
   walk: data.Walk | None = None  # --data's folder, walked where first needed: every check and load read this walk
   model: models.GPTConfig | None = None
   cfg: config.TrainConfig | None = None
-  made: list[str] = dataclasses.field(default_factory=list)  # folders above the run's own folder made for it (RUNS)
+  made: list[str] = dataclasses.field(default_factory=list)  # folders above the run's own folder made for it (train.rundirs.RUNS)
   mesh: dict[str, int] | None = None  # each mesh axis's size (train.mesh), once the devices are known
 
   @property
@@ -395,9 +338,9 @@ def _mesh_unfit(s: Start) -> str | None:
 
 
 def _runs_read_as_data(s: Start) -> str | None:
-  """A fresh run's RUNS in what --data reads, refused before the run folder is made there (as _config refuses a
+  """A fresh run's runs folder (train.rundirs.RUNS) in what --data reads, refused before the run folder is made there (as _config refuses a
   --ckpt-dir there)."""
-  return overlap.runs_folder_read_as_data(s.cfg.data, RUNS, s.walk) if s.fresh else None
+  return overlap.runs_folder_read_as_data(s.cfg.data, rundirs.RUNS, s.walk) if s.fresh else None
 
 
 def _run_dir_made(s: Start) -> str | None:
@@ -405,8 +348,8 @@ def _run_dir_made(s: Start) -> str | None:
   if not s.fresh:
     return None
   try:
-    run_dir, s.made = agreed_run_dir()
-  except RunDirError as e:
+    run_dir, s.made = rundirs.agreed_run_dir()
+  except rundirs.RunDirError as e:
     return str(e)
   s.cfg = dataclasses.replace(s.cfg, ckpt_dir=run_dir)
   return None
@@ -524,26 +467,26 @@ def main(argv=None) -> None:
   try:
     summary = loop.run(cfg, s.walk)
   except signals.Stopped as e:
-    if s.fresh:  # stopped before its first save: the folder fresh_run_dir made holds nothing
-      e.removed += _discard_if_unused(cfg.ckpt_dir, s.made)
+    if s.fresh:  # stopped before its first save: the folder train.rundirs made holds nothing
+      e.removed += rundirs.discard_if_unused(cfg.ckpt_dir, s.made)
     print(e.report(), file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
   except diskspace.DiskFull as e:  # what is saved stays; the run's folder is kept for the resume
     _fail(str(e))
   except metrics.MetricsWriteError as e:  # what is saved stays; a fresh run's folder goes where it holds nothing
     if s.fresh:
-      _discard_if_unused(cfg.ckpt_dir, s.made)
+      rundirs.discard_if_unused(cfg.ckpt_dir, s.made)
     _fail(str(e))
   except (loop.TrainingDiverged, checkpoint.ResumeMismatchError, checkpoint.CheckpointError, lock.LockedError,
           attnlayers.BackendUnavailableError, FP8Unavailable, FileNotFoundError, ValueError) as e:
-    if s.fresh:  # made by fresh_run_dir: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
-      _discard_if_unused(cfg.ckpt_dir, s.made)
+    if s.fresh:  # made by train.rundirs: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
+      rundirs.discard_if_unused(cfg.ckpt_dir, s.made)
     _refuse(f"{e}{_flag_hint(e, a)}")
   except jax.errors.JaxRuntimeError as e:
     if (oom := device.out_of_memory(e)) is None:
       raise
     if s.fresh:
-      _discard_if_unused(cfg.ckpt_dir, s.made)
+      rundirs.discard_if_unused(cfg.ckpt_dir, s.made)
     _fail(oom + memory_hint(model.backend))
   try:
     _report_end(s, summary)
@@ -555,14 +498,14 @@ def main(argv=None) -> None:
 
 def _report_end(s: Start, summary: dict) -> None:
   """Prints the end of a finished run (process 0): the sample, where the model is saved and how to sample from it,
-  and the summary_line last; names a fresh run's folder in RUNS/latest first, so that an interrupt while printing
+  and the summary_line last; names a fresh run's folder in RUNS/latest (train.rundirs) first, so that an interrupt while printing
   loses nothing."""
   cfg = s.cfg
   sampled, prompt = summary.pop("sample", None), summary.pop("sample_prompt", None)
   if jax.process_index() != 0:
     return
   if cfg.ckpt_dir and s.fresh:
-    write_latest(cfg.ckpt_dir)
+    rundirs.write_latest(cfg.ckpt_dir)
   if sampled is not None:
     print(f"prompt (the start of the first validation text):\n{prompt}\nsample:\n{sampled}")
   if cfg.ckpt_dir:
