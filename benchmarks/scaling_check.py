@@ -17,19 +17,14 @@ import os
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import models
 from attnlayers.fp8 import FP8Meta
 from benchmarks import collectives, report, scaling_model
 from train import mesh as train_mesh
-from train import optim
 from train import step as step_lib
 from train.config import TrainConfig
-from train.step import batch_loss
 
 DEVICES = 8
 MESHES = ({"data": 8, "fsdp": 1, "tensor": 1}, {"data": 1, "fsdp": 8, "tensor": 1},
@@ -59,27 +54,18 @@ def trainer_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> jax
 
 
 def compiled_step(cfg: models.GPTConfig, sizes: dict[str, int], rows: int) -> jax.stages.Compiled:
-  """trainer_step without any weights: the same step (train.step.build's: value_and_grad of
-  batch_loss, AdamW, applied; the same shardings, out_shardings and mesh contexts), lowered from abstract arrays.
-  rows() checks that the two compile to the same collectives on the tiny preset."""
+  """trainer_step without any weights: train.step.jitted's step (the trainer's optimizer, shardings,
+  out_shardings and mesh contexts) lowered from abstract arrays. rows() checks that the two compile to the same
+  collectives on the tiny preset."""
   mesh = train_mesh.make(sizes)
-  model = nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0)))
-  graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
-  tx = optim.adamw(3e-4, 100, 10)
+  run = TrainConfig(model=cfg, batch_size=_batch(sizes, rows))
+  graphdef, params, fp8 = nnx.split(nnx.eval_shape(lambda: models.GPT(cfg, rngs=nnx.Rngs(0))), nnx.Param, FP8Meta)
+  tx = step_lib.optimizer(run)
   state = {"params": params, "opt_state": jax.eval_shape(tx.init, params), "fp8": fp8}
   shardings = train_mesh.state_shardings(state, tx, mesh, cfg)
   abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-
-  def train_step(state, batch, step):  # train.step.build's, without the dropout key (the presets have none)
-    loss, (grads, fp8) = jax.value_and_grad(lambda p, f: batch_loss(graphdef, p, f, batch, None), argnums=(0, 1))(
-        state["params"], state["fp8"])
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state, "fp8": fp8}, loss
-
-  jitted = jax.jit(train_step, donate_argnums=0, out_shardings=(shardings, NamedSharding(mesh, P())),
-                   compiler_options=step_lib.STEP_COMPILER_OPTIONS)
-  on_mesh = step_lib._OnMesh(mesh, train_mesh.rules(mesh, cfg), jitted)  # the trainer's mesh contexts
-  return on_mesh.lower(abstract, *_batch_args(cfg, sizes, rows, mesh)).compile()
+  train_step, _ = step_lib.jitted(run, graphdef, tx, shardings, mesh)
+  return train_step.lower(abstract, *_batch_args(cfg, sizes, rows, mesh)).compile()
 
 
 def _batch(sizes: dict[str, int], rows: int) -> int:
@@ -137,8 +123,8 @@ def same_as_trainer(cfg: models.GPTConfig, sizes: dict[str, int], rows: int = 1)
   key = lambda found: sorted((c.kind, c.arrays, c.runs) for c in found)
   if key(ours) != key(theirs):
     raise AssertionError(f"on --mesh {scaling_model.describe(sizes)} the abstract step compiles to other "
-                         f"collectives than train.step.build's: {len(ours)} against {len(theirs)}; mirror "
-                         "train.step's changes in compiled_step")
+                         f"collectives than train.step.build's: {len(ours)} against {len(theirs)} (both are "
+                         "train.step.jitted's step: the abstract state's shardings differ from build's)")
 
 
 def _array(c: collectives.Collective) -> str:

@@ -112,7 +112,7 @@ def test_on_a_mesh_dw_is_reduced_once_not_once_per_chunk(on_meshes):
     assert whole in (["all-reduce"], ["reduce-scatter"]), (run["case"], found)
 
 
-# The trainer's step (benchmarks.scaling_check.compiled_step: train.step.build's) for the tiny preset on data=8 with
+# The trainer's step (benchmarks.scaling_check.compiled_step: train.step.jitted's, as build's) for the tiny preset on data=8 with
 # 8 rows of 128 per device: the batch's 8192 tokens are 2 chunks of DEFAULT_CHUNK, each device's 1024 one.
 _STEP = textwrap.dedent("""
     import json

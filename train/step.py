@@ -66,12 +66,28 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[Mo
   if fp8 and jax.device_count() > 1:
     raise ValueError(f"--attn te-fp8 trains on one device in this version (its amax reductions over the mesh are "
                      f"wired but not yet run on GPUs); have {jax.device_count()}")
-  tx = optim.adamw(cfg.lr, cfg.steps, cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip)
+  tx = optimizer(cfg)
   shardings = mesh_lib.state_shardings({"params": params, "opt_state": jax.eval_shape(tx.init, params), "fp8": fp8},
                                        tx, mesh, cfg.model)
   params = jax.device_put(params, shardings["params"])
   state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params),
            "fp8": jax.device_put(fp8, shardings["fp8"])}
+  train_step, eval_loss = jitted(cfg, graphdef, tx, shardings, mesh)
+  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
+  return Model(graphdef, tx, lr_at, _host_cpu(), models.count_params(model), train_step, eval_loss), state
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """AdamW with the run's schedule, weight decay and clipping."""
+  return optim.adamw(cfg.lr, cfg.steps, cfg.warmup, weight_decay=cfg.weight_decay, clip=cfg.clip)
+
+
+def jitted(cfg: TrainConfig, graphdef: nnx.GraphDef, tx: optax.GradientTransformation, shardings: dict,
+           mesh: jax.sharding.Mesh) -> tuple[_OnMesh, _OnMesh]:
+  """The training step (state, batch, step) -> (new state, loss), donating the old state, and the evaluation
+  (params, fp8, batch) -> loss, jitted for a state laid out as `shardings` (train.mesh.state_shardings) on `mesh`,
+  each called and lowered inside the mesh's contexts (_OnMesh). Nothing here needs the state's values: lowering
+  them from abstract arrays compiles the trainer's program without making any weights."""
   whole = NamedSharding(mesh, P())
 
   @functools.partial(jax.jit, donate_argnums=0, out_shardings=(shardings, whole),  # the state keeps its layout
@@ -85,9 +101,8 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[Mo
 
   eval_loss = jax.jit(lambda params, fp8, batch: batch_loss(graphdef, params, fp8, batch, None),
                       out_shardings=whole, compiler_options=STEP_COMPILER_OPTIONS)
-  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
   on = functools.partial(_OnMesh, mesh, mesh_lib.rules(mesh, cfg.model))
-  return Model(graphdef, tx, lr_at, _host_cpu(), models.count_params(model), on(train_step), on(eval_loss)), state
+  return on(train_step), on(eval_loss)
 
 
 @dataclasses.dataclass(frozen=True)
