@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from train import cli, rundirs, stepdirs
+from train import checks, cli, rundirs, stepdirs
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--batch-size", "8", "--steps", "1", "--no-progress",
         "--sample-tokens", "0", "--eval-every", "0"]
@@ -95,7 +95,7 @@ def test_a_new_or_empty_folder_or_one_holding_a_run_is_taken_as_ckpt_dir(tmp_pat
   if folder == "run-with-notes":  # a person's notes beside a run's checkpoints do not make it another's folder
     (path / "notes.txt").write_text("mine")
   s = cli.Start(cli.parse(["--ckpt-dir", str(path), "--metrics", str(path / "m.jsonl")]))
-  assert cli._outputs_in_another_run(s) is None
+  assert checks._outputs_in_another_run(s) is None
 
 
 @pytest.mark.parametrize("content", [b"my notes\n", b"\x7fELF\x02\x01binary", b"[1, 2]\n"], ids=["notes", "binary", "list"])
