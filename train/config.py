@@ -1,7 +1,7 @@
 """The training run's settings (`TrainConfig`), checked where they are made, before any work.
 
 Whether the run's outputs lie where its data is read is train.overlap's check, which reads the file system: its
-callers make it (train.cli on the flags, train.loop.run on the config) with the walk of the --data folder they
+callers make it (train.checks on the flags, train.loop.run on the config) with the walk of the --data folder they
 hand on to load, not TrainConfig on each of its copies."""
 
 from __future__ import annotations

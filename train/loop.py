@@ -332,7 +332,7 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
   outputs here and load then read too; None: one of its own."""
   t_start = time.perf_counter()
   walk = data.Walk(cfg.data) if walk is None else walk
-  # train.cli refused these on its flags; a cfg made elsewhere (or given its run folder since) is checked here
+  # train.checks refused these on its flags; a cfg made elsewhere (or given its run folder since) is checked here
   outside = overlap.outputs_read_as_data(cfg.data, walk, ckpt_dir=cfg.ckpt_dir, metrics=cfg.metrics,
                                          profile_dir=cfg.profile_dir)
   if outside:
@@ -355,7 +355,7 @@ def run(cfg: TrainConfig, walk: data.Walk | None = None) -> dict:
     if cfg.pack:  # the kernels' bound on documents per row (te runs B * max_segments sequences): this data's
       cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, max_segments=dataset.packed.max_segments()))
       attention = report.check_attention(cfg)  # the plans of the calls with this data's max_segments
-    sizes = mesh_lib.parse(cfg.mesh, jax.device_count())  # train.cli checked --mesh; a cfg made elsewhere here
+    sizes = mesh_lib.parse(cfg.mesh, jax.device_count())  # train.checks checked --mesh; a cfg made elsewhere here
     if (unfit := mesh_lib.check(sizes, jax.device_count(), cfg.model, cfg.batch_size)) is not None:
       raise ValueError(unfit)
     mesh = mesh_lib.make(sizes)

@@ -3,7 +3,7 @@
 A run that writes its checkpoints, metrics file or profiler trace where --data reads would train on them at its
 next start, and its checkpoints could then never be resumed (other data). `reads` says whether loading --data
 reads a path, as train.data.load finds its files (sharing its data.Walk of a folder); `outputs_read_as_data` and
-`runs_folder_read_as_data` are the refusals train.cli (on the flags) and train.loop.run (on its config) make before
+`runs_folder_read_as_data` are the refusals train.checks (on the flags) and train.loop.run (on its config) make before
 any work.
 """
 
