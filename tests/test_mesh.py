@@ -69,6 +69,8 @@ _TRAIN_ON_MESHES = textwrap.dedent("""
                         progress=False)
       mesh = mesh_lib.make(mesh_lib.parse(None if name == "one" else name, n), jax.devices()[:n])
       model, state = step.build(cfg, mesh)
+      init = [np.asarray(x) for x in jax.tree.leaves(state["params"])]
+      ones = ones if name != "one" else init  # the one-device run of this backend comes first
       params = {jax.tree_util.keystr(p): {"names": v.get_metadata().get("out_sharding"), "shape": list(v.shape),
                                           "spec": [list(a) if isinstance(a, tuple) else a
                                                    for a in v.get_value().sharding.spec]}
@@ -89,7 +91,8 @@ _TRAIN_ON_MESHES = textwrap.dedent("""
         losses.append(float(loss))
       out[f"{backend} {name}"] = {"losses": losses, "params": params, "mesh": dict(mesh.shape),
                                   "total_bytes": sum(a.nbytes for a in arrays), "most_bytes": max(held.values()),
-                                  "moments_as_params": all(moments) and len(moments) == 2 * len(params)}
+                                  "moments_as_params": all(moments) and len(moments) == 2 * len(params),
+                                  "init_as_one": all(np.array_equal(a, b) for a, b in zip(init, ones, strict=True))}
       if name == "fsdp=8":
         saved = state
     # the fsdp=8 state saved, and restored into fsdp=4 x tensor=2's state: each array in the new mesh's sharding
@@ -117,6 +120,7 @@ def meshes(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,mesh", [("xla", m) for m in MESHES] + [("naive", MESHES[2])])
 def test_losses_on_a_mesh_match_one_device(meshes, backend, mesh):
+  assert meshes[f"{backend} {mesh}"]["init_as_one"], mesh  # made in place on the mesh: the one-device numbers
   one, got = meshes[f"{backend} one"]["losses"], meshes[f"{backend} {mesh}"]["losses"]
   np.testing.assert_allclose(got, one, **reference.tolerance("float32", "loss across meshes"), err_msg=mesh)
   assert one[-1] < one[0] - 1  # the run learns: the curves compared are not flat
@@ -250,3 +254,28 @@ def test_key_value_heads_held_whole_are_said_and_left_unsplit():
   assert mesh_lib.notices({"data": 4, "fsdp": 1, "tensor": 2}, tiny) == []
   on = lambda tensor: dict(mesh_lib.rules(types.SimpleNamespace(shape={"tensor": tensor}), tiny))  # rules read .shape
   assert (on(4)["kv_heads"], on(4)["heads"]) == (None, "tensor") and on(2)["kv_heads"] == "tensor"
+
+
+# Compiles (never runs) the trainer's parameter initialisation for gpt-1b on fsdp=8 and prints its per-device bytes.
+_INIT_ON_FSDP = textwrap.dedent("""
+    import json
+    import jax
+    import models
+    from train import step, mesh as mesh_lib
+    from train.config import TrainConfig
+    cfg = TrainConfig(model=models.preset("gpt-1b", backend="xla"), batch_size=8)
+    mesh = mesh_lib.make(mesh_lib.parse("fsdp=8", 8))
+    init, _, _ = step.initializer(cfg, mesh)
+    m = init.lower().compile().memory_analysis()
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(init)))
+    print(json.dumps({"whole": whole, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes}))
+""")
+
+
+@pytest.mark.slow
+def test_fsdp_makes_each_devices_parameters_in_place():
+  """gpt-1b's initialisation on fsdp=8 holds an eighth of the parameters per device, and at no point all of them."""
+  got = _last_json(_python(_INIT_ON_FSDP))
+  print(f"gpt-1b init on fsdp=8, per device: {got}")
+  assert got["output"] <= 1.05 / 8 * got["whole"], got
+  assert got["output"] + got["temp"] <= got["whole"] / 2, got

@@ -55,26 +55,37 @@ class Model:
 
 def build(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[Model, dict]:
   """The model and optimizer, and the initial state {params, opt_state, fp8} laid out on `mesh` (train.mesh: each
-  parameter and its optimizer moments as its logical axis names ask; a NamedSharding names its mesh too).
-
-  The parameters are made as on one device, so that every mesh starts from the same numbers, and then placed;
-  the optimizer state is made in place, each device making its own part."""
+  parameter and its optimizer moments as its logical axis names ask; a NamedSharding names its mesh too), each
+  device making its own part of it (initializer)."""
   mesh = getattr(mesh, "mesh", mesh)
-  model = models.GPT(cfg.model, rngs=nnx.Rngs(cfg.seed))
-  # fp8: FP8 scaling state (te-fp8 only, else empty); replaced by its gradient each step, never optimised
-  graphdef, params, fp8 = nnx.split(model, nnx.Param, FP8Meta)
+  init, graphdef, shardings = initializer(cfg, mesh)
+  tx = optimizer(cfg)
+  params, fp8 = init()
+  state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params),
+           "fp8": fp8}
+  train_step, eval_loss = jitted(cfg, graphdef, tx, shardings, mesh)
+  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
+  n_params = models.count_params(nnx.merge(graphdef, params, fp8))
+  return Model(graphdef, tx, lr_at, _host_cpu(), n_params, train_step, eval_loss), state
+
+
+def initializer(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[object, nnx.GraphDef, dict]:
+  """(init, graphdef, shardings): `init()` makes the model's (params, fp8) in place on `mesh`, jitted, each device
+  only its own part (a model larger than one device's memory never exists whole), from the seed alone: jax's
+  partitionable random bits give every mesh the same numbers. `shardings`: the whole state's layout
+  (train.mesh.state_shardings). fp8: FP8 scaling state (te-fp8 only, else empty), replaced by its gradient each
+  step, never optimised."""
+  mesh = getattr(mesh, "mesh", mesh)
+  make = lambda: nnx.split(models.GPT(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param, FP8Meta)
+  graphdef, params, fp8 = nnx.eval_shape(make)  # abstract: shapes, dtypes and logical axis names
   if fp8 and jax.device_count() > 1:
     raise ValueError(f"--attn te-fp8 trains on one device in this version (its amax reductions over the mesh are "
                      f"wired but not yet run on GPUs); have {jax.device_count()}")
-  tx = optimizer(cfg)
-  shardings = mesh_lib.state_shardings({"params": params, "opt_state": jax.eval_shape(tx.init, params), "fp8": fp8},
-                                       tx, mesh, cfg.model)
-  params = jax.device_put(params, shardings["params"])
-  state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params),
-           "fp8": jax.device_put(fp8, shardings["fp8"])}
-  train_step, eval_loss = jitted(cfg, graphdef, tx, shardings, mesh)
-  lr_at = optim.schedule(cfg.lr, cfg.steps, cfg.warmup)
-  return Model(graphdef, tx, lr_at, _host_cpu(), models.count_params(model), train_step, eval_loss), state
+  opt_state = jax.eval_shape(optimizer(cfg).init, params)
+  shardings = mesh_lib.state_shardings({"params": params, "opt_state": opt_state, "fp8": fp8}, optimizer(cfg), mesh,
+                                       cfg.model)
+  init = jax.jit(lambda: make()[1:], out_shardings=(shardings["params"], shardings["fp8"]))
+  return init, graphdef, shardings
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
