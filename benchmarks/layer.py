@@ -210,6 +210,8 @@ FLOPS_NOTE = ("`tflops` counts the FLOPs the math needs (benchmarks.flops): atte
               "halved when causal, x3 forward+backward (no flash recomputation), plus the layer's projections. "
               "Every backend executes at least that, so it is a lower bound of the hardware's rate. `vs_matmul`: "
               "that rate over a bf16 matmul of size `matmul_n`³ timed in the same process; te-fp8 rows may exceed 1 (FP8).")
+VS_XLA_NOTE = ("`vs_xla`: the xla row's median_ms over this row's, for the same case timed in the same process "
+               "(above 1: faster than xla); empty where xla did not run that case.")
 COLUMNS = ["section", "level", "backend", "dtype", "B", "T", "N", "K", "H", "causal", "pass", "status", "median_ms",
            "p10_ms", "p90_ms", "tflops", "vs_matmul", "memory_gib"]
 
@@ -235,11 +237,13 @@ def write(out: str, env: dict, rows: list[dict]) -> list[str]:
         report.line_plot(os.path.join(out, name), sel, x=x, y=y, title=f"{section} ({level}), causal, fwd+bwd: {y}")
         plots.append(name)
   plots += packing.plots(out, rows)
-  md = [f"# Attention layer benchmarks\n\n{env}\n\n{FLOPS_NOTE}\n"]
+  vs_xla = f" {VS_XLA_NOTE}" if any("vs_xla" in r for r in rows) else ""
+  md = [f"# Attention layer benchmarks\n\n{env}\n\n{FLOPS_NOTE}{vs_xla}\n"]
   for section in dict.fromkeys(r["section"] for r in rows):
     sel = [r for r in rows if r["section"] == section]
     cols = COLUMNS + (["max_abs_diff_vs_naive_f32"] if section == "default" else []) + \
-        (["kv_cache_bytes_per_token"] if section == "heads" else [])
+        (["kv_cache_bytes_per_token"] if section == "heads" else []) + \
+        (["vs_xla"] if any("vs_xla" in r for r in sel) else [])
     if section in packing.SECTIONS:
       md.append(f"## {section}\n\n{packing.NOTES[section]}\n\n"
                 + report.markdown_table(packing.for_table(section, sel), packing.columns(section, cols))
@@ -258,6 +262,18 @@ def write(out: str, env: dict, rows: list[dict]) -> list[str]:
   with open(os.path.join(out, "layer.md"), "w") as f:
     f.write("\n\n".join(md) + "\n")
   return plots
+
+
+def add_vs_xla(rows: list[dict]) -> list[dict]:
+  """Sets vs_xla (the xla row's median_ms over this row's) on every ok row of another backend whose case has an ok
+  xla row in `rows`, one run's rows: a ratio within one process."""
+  key = lambda r: tuple(r.get(k) for k in ("section", "level", "dtype", "B", "T", "S", "N", "K", "H", "causal", "pass",
+                                           *packing.SECTIONS))
+  xla = {key(r): r["median_ms"] for r in rows if r["backend"] == "xla" and r["status"] == "ok"}
+  for r in rows:
+    if r["backend"] != "xla" and r["status"] == "ok" and key(r) in xla:
+      r["vs_xla"] = xla[key(r)] / r["median_ms"]
+  return rows
 
 
 def wrapper_overhead(rows: list[dict]) -> list[dict]:
@@ -356,7 +372,7 @@ def main(argv=None) -> None:
       reference[key] = reference[key] if key in reference else _reference(c)
       ref = reference[key]
     rows.append(run_case(c, matmul, calls, warmup, ref))
-  plots = write(a.out, env, packing.add_ratios(rows))
+  plots = write(a.out, env, add_vs_xla(packing.add_ratios(rows)))
   counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "unavailable", "skipped", "error")}
   print(f"{len(rows)} rows {counts}; wrote layer.json, layer.csv, layer.md and {len(plots)} plots to {a.out}")
 

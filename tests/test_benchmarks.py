@@ -126,6 +126,22 @@ def test_ratios_use_the_baseline_of_the_same_backend_pass_level_and_T():
   assert "- core: cudnn (3 ms) 5x (met)" in packing.targets("window", rows[6:])  # the fastest fused backend
 
 
+def test_vs_xla_is_xlas_time_over_the_rows_for_the_same_case(tmp_path):
+  seq = lambda backend, T, ms, status="ok", pass_="fwd+bwd": _row("seq", backend, "core", pass_, T, None, ms, status) | \
+      ({} if status == "ok" else {"reason": "RESOURCE_EXHAUSTED"})
+  rows = [seq("xla", 1024, 3.0), seq("splash", 1024, 1.5), seq("splash", 1024, 1.0, pass_="fwd"),  # xla: no fwd row
+          seq("xla", 8192, None, "error"), seq("splash", 8192, 18.0),  # xla ran out of memory: no ratio
+          seq("splash", 2048, 2.0, "error"), seq("xla", 2048, 9.0)]
+  layer.add_vs_xla(rows)
+  assert [r.get("vs_xla") for r in rows] == [None, 2.0, None, None, None, None, None]
+  layer.write(str(tmp_path), {"matmul_bf16_tflops": 1.0}, rows)
+  md = (tmp_path / "layer.md").read_text()
+  assert layer.VS_XLA_NOTE in md
+  assert "| seq | core | splash | bfloat16 | 1 | 1024 | 4 | 4 | 32 | True | fwd+bwd | ok | 1.5 |" in md
+  assert md.split("| seq | core | splash | bfloat16 | 1 | 1024 | 4 | 4 | 32 | True | fwd+bwd |")[1].split("\n")[0].rstrip(
+      ).endswith("| 2 |"), md  # the last column: vs_xla
+
+
 @pytest.mark.slow
 def test_train_benchmark_writes_rows_for_every_backend(tmp_path):
   run("benchmarks.train", "--preset", "tiny", "--backends", "xla", "cudnn", "--steps", "4", "--batch-size", "4",
