@@ -60,7 +60,9 @@ QUICK = dict(preset="tiny", long_seq_len=256, backends=["naive", "xla", "cudnn"]
 TARGETS = dict(kv_heads=[12, 4, 1], batch1_context=1536, batch1_ms=0.30, batch_at=(64, 2048),
                frac_copy_bw={12: 0.85, 4: 0.70, 1: 0.50}, gqa_over_mha=(4, 2.2), kernels=100)
 FULL["targets"] = TARGETS
-XLA_OPTIONS = {"decode": compiler.DECODE, "default": {}}  # --xla-options: models.compiler.DECODE, or XLA's own
+XLA_OPTIONS = {"decode": compiler.DECODE, "default": {},  # --xla-options: models.compiler.DECODE, XLA's own, or
+               "gemm": compiler.DECODE | {k: v for k, v in compiler.GEMM.items()  # DECODE with the trainer's GEMM
+                                           if k != "xla_gpu_dot_merger_threshold_mb"}}  # options (models.compiler)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +177,8 @@ def _measure(model, p: Point, s: dict, prompt_len: int, cache_len: int) -> dict:
     return st, (tokens, n_new)
   decode = _Repeat(decode_steps, state, prompt_len)
   td = common.time_fn(decode, **timed)
-  kernels = kernels_per_step(decode, steps) if s["kernel_counts"] else None
+  graphs = bool(XLA_OPTIONS[p.options].get("xla_gpu_enable_command_buffer"))  # a trace sees each graph as one launch
+  kernels = kernels_per_step(decode, steps) if s["kernel_counts"] and not graphs else None
   n_new = decode.out[1]
   if not np.all(np.asarray(n_new) == steps):
     raise RuntimeError(f"the decode call ran {np.asarray(n_new).tolist()} steps per row, not {steps}")
@@ -192,14 +195,16 @@ def _measure(model, p: Point, s: dict, prompt_len: int, cache_len: int) -> dict:
           "prefill_tokens_per_s": B * prompt_len / (tp.median_ms * 1e-3), "decode_ms_per_step": step_ms,
           "decode_p10_ms_per_step": td.p10_ms / steps, "decode_p90_ms_per_step": td.p90_ms / steps,
           "tokens_per_s": B / (step_ms * 1e-3), "param_bytes": params, "bytes_per_step": per_step,
-          "gb_per_s": gbps, "calls": td.calls, "compile_s": decoder.compile_s, "kernels_per_step": kernels}
+          "gb_per_s": gbps, "calls": td.calls, "compile_s": decoder.compile_s, "kernels_per_step": kernels,
+          "command_buffers": graphs}
 
 
 def kernels_per_step(call, steps: int) -> float | None:
   """GPU kernels (and device copies) the decode program ran per step, from a profiler trace of one more `call`
   of `steps` steps: its events of module jit__decode over `steps` (the loop's condition counted, as it runs each
-  step). None where the trace holds no GPU kernel (a CPU). XLA launches the kernels one by one while a profiler
-  runs, not from command buffers, so the count is what each step runs, and the traced call's time is not used."""
+  step). None where the trace holds no GPU kernel (a CPU). A program compiled with command buffers shows each CUDA
+  graph as one launch, not the kernels inside it: its points are not counted (run_point). The traced call's time is
+  not used."""
   with tempfile.TemporaryDirectory() as folder:
     with jax.profiler.trace(folder, create_perfetto_trace=True):
       jax.block_until_ready(call())
@@ -292,8 +297,8 @@ def main(argv=None) -> None:
   p.add_argument("--batch1-context", type=flags.int_at_least(1), help="prompt tokens of the batch-1 points added "
                  "beside --contexts (default 1536; 64 with --quick)")
   p.add_argument("--xla-options", nargs="+", choices=list(XLA_OPTIONS), help="the programs' XLA options, one sweep "
-                 "each: decode (models.compiler.DECODE: GEMM epilogues and the decode loop as one CUDA graph; the "
-                 "default) or default (XLA's own)")
+                 "each: decode (models.compiler.DECODE: the decode loop as one CUDA graph; the default), default (XLA's "
+                 "own) or gemm (DECODE with the trainer's GEMM options: cuBLASLt epilogues, no Triton GEMM fusions)")
   p.add_argument("--kernel-counts", action=argparse.BooleanOptionalAction, default=None,
                  help="count each point's GPU kernels per decode step from a profiler trace (default: on a GPU)")
   p.add_argument("--budget-s", type=flags.positive_float, help="seconds for the whole command: no point starts that would, at the "

@@ -18,6 +18,7 @@ GEMM = {"xla_gpu_enable_cublaslt": True, "xla_gpu_enable_triton_gemm": False,
 COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
                    "xla_gpu_graph_min_graph_size": 1}
 
-# Decoding has no backward, so XLA's dot merger stays on there (its default): the q, k and v
-# projections of one input then run as one GEMM.
-DECODE = {k: v for k, v in GEMM.items() if k != "xla_gpu_dot_merger_threshold_mb"} | COMMAND_BUFFERS
+# Decoding keeps XLA's own GEMM choices: under the training step's GEMM options (Triton GEMM fusions off) a
+# decode step runs more kernels and takes longer at decode's batch sizes; benchmarks.decode --xla-options
+# decode gemm default compares the three.
+DECODE = dict(COMMAND_BUFFERS)

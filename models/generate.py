@@ -217,7 +217,7 @@ class Decoder:
   and all its state; another name rebuilds the graph with that attention backend around the
   same nnx.Param state, so a te-fp8 model samples under "xla"; any other state (te-fp8's
   FP8Meta scaling) is then the new backend's own, fresh. Both programs compile with
-  `compiler_options`: by default models.compiler.DECODE (GEMM epilogues, and the decode loop as
+  `compiler_options`: by default models.compiler.DECODE (the decode loop as
   one CUDA graph on a GPU); {} compiles with XLA's defaults.
   """
 
@@ -282,6 +282,10 @@ class Decoder:
     # array, read when a later call checks its room)
 
   def _args(self, state: dict) -> tuple:
+    """The programs' state arguments; raises for a cache an earlier call consumed (both programs donate it)."""
+    if any(x.is_deleted() for x in jax.tree.leaves(state["cache"]) if isinstance(x, jax.Array)):
+      raise ValueError("this state's cache went to an earlier prefill or decode call, which reuses its buffers for "
+                       "the cache it returns: pass the state that call returned, or a fresh init_state()")
     return state["params"], state["rest"], state["cache"], state["key"]
 
   def prefill(self, state: dict, prompts: Int[Array, "B P"], lengths: Int[Array, "B"]) -> tuple[dict, Int[Array, "B"]]:

@@ -386,6 +386,9 @@ def test_decode_targets_read_the_rows_they_name_and_say_met_or_not():
   assert "- cudnn (decode) K=4, batch 64, context 2048: fraction of the copy bandwidth: 0.6 (target >= 0.7: not met)" in lines
   assert "- cudnn (decode) K=4 / MHA tokens/s, batch 64, context 2048: 2 (target >= 2.2: not met)" in lines
   assert "- cudnn (decode) kernels per decode step (the most of any point): 120 (target <= 100: not met)" in lines
+  graphs = decode_report.target_lines([r | {"kernels_per_step": None, "command_buffers": True} for r in rows],
+                                      decode.TARGETS)
+  assert graphs[-1].startswith("- cudnn (decode) kernels per decode step: not counted (command buffers"), graphs
 
 
 def test_decode_kernel_count_is_the_decode_programs_gpu_events_over_its_steps():

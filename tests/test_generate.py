@@ -194,6 +194,17 @@ def test_a_decode_that_ends_early_advances_each_row_by_the_steps_it_ran():
   assert state["pos"].tolist() == [3 + int(n_new[0])]  # one row: the loop ran until its stop, or 61 steps
 
 
+def test_a_state_an_earlier_call_consumed_is_a_clear_error():
+  """prefill and decode reuse the cache's buffers for the cache they return: the state given to them is spent."""
+  d = Decoder(model(config()), batch=1, cache_len=64, prompt_len=8, sampling=GREEDY)
+  spent = d.init_state()
+  state, first = d.prefill(spent, np.ones((1, 8), np.int32), np.array([8]))
+  for call in (lambda: d.prefill(spent, np.ones((1, 8), np.int32), np.array([8])),
+               lambda: d.decode(d.decode(state, first, 2)[0] | {"cache": state["cache"]}, first, 2)):
+    with pytest.raises(ValueError, match="went to an earlier prefill or decode call"):
+      call()
+
+
 def test_generate_runs_each_program_once_untimed_before_the_timed_run(monkeypatch):
   """A program's first run loads its kernels: generate() runs prefill and a decode step once on a state of their
   own, then times a fresh one, whose tokens (same seed) are what a run without the warm-up gives."""
