@@ -265,7 +265,7 @@ _INIT_ON_FSDP = textwrap.dedent("""
     from train.config import TrainConfig
     cfg = TrainConfig(model=models.preset("gpt-1b", backend="xla"), batch_size=8)
     mesh = mesh_lib.make(mesh_lib.parse("fsdp=8", 8))
-    init, _, _ = step.initializer(cfg, mesh)
+    init, _, _ = step.initializer(cfg, mesh, step.optimizer(cfg))
     m = init.lower().compile().memory_analysis()
     whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(init)))
     print(json.dumps({"whole": whole, "output": m.output_size_in_bytes, "temp": m.temp_size_in_bytes}))

@@ -58,8 +58,8 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[Mo
   parameter and its optimizer moments as its logical axis names ask; a NamedSharding names its mesh too), each
   device making its own part of it (initializer)."""
   mesh = getattr(mesh, "mesh", mesh)
-  init, graphdef, shardings = initializer(cfg, mesh)
   tx = optimizer(cfg)
+  init, graphdef, shardings = initializer(cfg, mesh, tx)
   params, fp8 = init()
   state = {"params": params, "opt_state": jax.jit(tx.init, out_shardings=shardings["opt_state"])(params),
            "fp8": fp8}
@@ -69,21 +69,21 @@ def build(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[Mo
   return Model(graphdef, tx, lr_at, _host_cpu(), n_params, train_step, eval_loss), state
 
 
-def initializer(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding) -> tuple[object, nnx.GraphDef, dict]:
+def initializer(cfg: TrainConfig, mesh: jax.sharding.Mesh | NamedSharding,
+                tx: optax.GradientTransformation) -> tuple[object, nnx.GraphDef, dict]:
   """(init, graphdef, shardings): `init()` makes the model's (params, fp8) in place on `mesh`, jitted, each device
   only its own part (a model larger than one device's memory never exists whole), from the seed alone: jax's
   partitionable random bits give every mesh the same numbers. `shardings`: the whole state's layout
-  (train.mesh.state_shardings). fp8: FP8 scaling state (te-fp8 only, else empty), replaced by its gradient each
-  step, never optimised."""
+  (train.mesh.state_shardings), the moments of `tx` (optimizer) included. fp8: FP8 scaling state (te-fp8 only,
+  else empty), replaced by its gradient each step, never optimised."""
   mesh = getattr(mesh, "mesh", mesh)
   make = lambda: nnx.split(models.GPT(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param, FP8Meta)
   graphdef, params, fp8 = nnx.eval_shape(make)  # abstract: shapes, dtypes and logical axis names
   if fp8 and jax.device_count() > 1:
     raise ValueError(f"--attn te-fp8 trains on one device in this version (its amax reductions over the mesh are "
                      f"wired but not yet run on GPUs); have {jax.device_count()}")
-  opt_state = jax.eval_shape(optimizer(cfg).init, params)
-  shardings = mesh_lib.state_shardings({"params": params, "opt_state": opt_state, "fp8": fp8}, optimizer(cfg), mesh,
-                                       cfg.model)
+  shardings = mesh_lib.state_shardings({"params": params, "opt_state": jax.eval_shape(tx.init, params), "fp8": fp8},
+                                       tx, mesh, cfg.model)
   init = jax.jit(lambda: make()[1:], out_shardings=(shardings["params"], shardings["fp8"]))
   return init, graphdef, shardings
 
