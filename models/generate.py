@@ -142,30 +142,54 @@ def check_fits(seq_len: int, prompt_len: int, max_new_tokens: int) -> None:
 def _prefill(params, rest, cache, key, prompts, lengths, *, graphdef, sampling):
   model = nnx.merge(graphdef, params, cache, rest)
   last = model(prompts, decode=True, lengths=lengths, last_only=True)[:, 0]  # (B, V) at each last real token
-  key, sub = jax.random.split(key)
+  key, sub = _split(key, sampling)
   return nnx.state(model, nnx.Cache), key, sample(last, sub, sampling)
 
 
 def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling, width):
   B = first.shape[0]
+  kv, pos, join = _one_position(cache)
 
   def more(carry):
-    i, _, _, _, done, _, _ = carry
+    i, _, _, _, _, done, _, _ = carry
     return (i < steps) & ~jnp.all(done)
 
   def step(carry):
-    i, cache, key, token, done, out, n_new = carry
-    model = nnx.merge(graphdef, params, cache, rest)
+    i, kv, pos, key, token, done, out, n_new = carry
+    model = nnx.merge(graphdef, params, join(kv, pos), rest)
     logits = model(token[:, None], decode=True)[:, 0]  # (B, V)
-    key, sub = jax.random.split(key)
+    key, sub = _split(key, sampling)
     token = jnp.where(done, stop, sample(logits, sub, sampling))  # (B,) a finished row repeats its stop
     out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))  # out[:, i] = token
-    return i + 1, nnx.state(model, nnx.Cache), key, token, done | (token == stop), out, n_new + ~done
+    kv, pos, _ = _one_position(nnx.state(model, nnx.Cache))
+    return i + 1, kv, pos, key, token, done | (token == stop), out, n_new + ~done
 
   out = jnp.full((B, width), stop, jnp.int32)  # (B, width) the new tokens; columns past the loop's end hold stop
-  carry = (jnp.int32(0), cache, key, first, first == stop, out, jnp.zeros((B,), jnp.int32))
-  ran, cache, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
-  return cache, key, out, n_new, ran  # ran: the steps taken; every row's cache advanced by that many
+  carry = (jnp.int32(0), kv, pos, key, first, first == stop, out, jnp.zeros((B,), jnp.int32))
+  ran, kv, pos, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
+  return join(kv, pos), key, out, n_new, ran  # ran: the steps taken; every row's cache advanced by that many
+
+
+def _one_position(cache):
+  """(the cache's keys and values, its position (B,), join: (keys and values, position) -> the cache).
+
+  Every block's cache_index holds the same positions (each call advances them all by the same lengths), so the
+  decode loop carries one: the blocks read one buffer, their equal updates are one computation, and no block's
+  position is copied to keep its old value while another's is written."""
+  leaves, tree = jax.tree_util.tree_flatten_with_path(cache)
+  at = [i for i, (path, _) in enumerate(leaves) if "['cache_index']" in jax.tree_util.keystr(path)]
+  kv = [x for i, (_, x) in enumerate(leaves) if i not in at]
+
+  def join(kv, pos):
+    rest = iter(kv)
+    return jax.tree_util.tree_unflatten(tree, [pos if i in at else next(rest) for i in range(len(leaves))])
+
+  return kv, leaves[at[0]][1], join
+
+
+def _split(key, sampling: Sampling):
+  """(the key to carry, the key to draw this token with); greedy decoding draws nothing and leaves the key."""
+  return (key, key) if sampling.temperature == 0 else tuple(jax.random.split(key))
 
 
 _COMPILED: dict = {}  # (program, static arguments, argument shapes) -> executable

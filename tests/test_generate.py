@@ -158,6 +158,27 @@ def test_decode_is_one_compiled_loop_and_pads_finished_rows_with_stop():
   assert int(n_new[1]) == stopped and tokens[1, stopped:].tolist() == [0] * (10 - stopped)
 
 
+def test_the_decode_loop_carries_one_position_for_every_block():
+  """Every block's cache_index holds the same positions, so the loop carries one (B,) vector however many blocks
+  there are (a copy of each block's old position per step was the price of carrying them all), and each block's
+  cache_index comes back equal to it. Greedy decoding draws no random bits: its key comes back as it went in."""
+  carried = {}
+  for n_layer in (1, 3):
+    d = Decoder(model(config(n_layer=n_layer)), batch=3, cache_len=64, prompt_len=64, sampling=GREEDY)
+    loop = next(line for line in d._decode.as_text().splitlines() if " while(" in line)
+    carried[n_layer] = len(re.findall(r"\bs32\[3\]", loop.split(" while(")[0]))
+    prompts = np.zeros((3, 64), np.int32)
+    prompts[:, :3] = PROMPTS[0]
+    state, first = d.prefill(d.init_state(), prompts, np.array([3, 2, 1]))
+    key = jax.random.key_data(state["key"]).tolist()
+    state, _, _ = d.decode(state, first, 7)
+    blocks = state["cache"]["blocks"]
+    assert [np.asarray(blocks[i]["attn"]["cache_index"][...]).tolist() for i in range(n_layer)] == \
+        [[10, 9, 8]] * n_layer == [np.asarray(state["pos"]).tolist()] * n_layer
+    assert jax.random.key_data(state["key"]).tolist() == key
+  assert carried[1] == carried[3], carried
+
+
 def test_same_shapes_reuse_the_compiled_programs():
   m = model(config(n_layer=1))
   first = generate(m, [PROMPTS[0]], max_new_tokens=5, sampling=GREEDY)
