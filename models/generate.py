@@ -202,8 +202,8 @@ MIN_GPU_ROWS = 2
 
 
 def rows_for(batch: int) -> int:
-  """The rows the compiled programs hold for `batch` sequences (see MIN_GPU_ROWS)."""
-  return max(batch, MIN_GPU_ROWS) if jax.default_backend() == "gpu" else batch
+  """The rows the compiled programs hold for `batch` sequences on the default device (see MIN_GPU_ROWS)."""
+  return max(batch, MIN_GPU_ROWS) if attnlayers.device.current().platform == "gpu" else batch
 
 
 def _pad_rows(x, rows: int):
@@ -221,12 +221,46 @@ def _compiled(fn, statics: dict, args: tuple, options: dict):
   if key in _COMPILED:
     return _COMPILED[key], 0.0
   t0 = time.perf_counter()
+  _COMPILED[key] = _lowered(fn, statics, args, options).compile()
+  return _COMPILED[key], time.perf_counter() - t0
+
+
+def _lowered(fn, statics: dict, args: tuple, options: dict) -> jax.stages.Lowered:
   def program(*a):
     return fn(*a, **statics)
   program.__name__ = fn.__name__  # the compiled module's name: jit__decode, jit__prefill (in profiler traces)
-  lowered = jax.jit(program, donate_argnums=2, compiler_options=options).lower(*args)
-  _COMPILED[key] = lowered.compile()
-  return _COMPILED[key], time.perf_counter() - t0
+  return jax.jit(program, donate_argnums=2, compiler_options=options).lower(*args)
+
+
+def _graph(cfg, rows: int, cache_len: int):
+  """The decoding graph of a GPT under `cfg` with a cache of (rows, cache_len), as shapes: (graphdef, parameters,
+  cache, the rest of its state)."""
+  return nnx.split(nnx.eval_shape(lambda: _model(cfg, rows, cache_len)), nnx.Param, nnx.Cache, ...)
+
+
+def _model(cfg, rows: int, cache_len: int) -> GPT:
+  """A GPT under `cfg` with an empty cache of (rows, cache_len): the decoding graph."""
+  m = GPT(cfg, rngs=nnx.Rngs(0))
+  m.init_cache(rows, cache_len)
+  return m
+
+
+def lower_decode(cfg, *, batch: int, cache_len: int, sampling: Sampling, compiler_options: dict,
+                 sharding: jax.sharding.Sharding) -> jax.stages.Lowered:
+  """The decode loop program of a Decoder for a GPT under `cfg` lowered for `sharding`'s device, from shapes alone
+  (no parameters are made): what XLA compiles for a device, e.g. a compile-only one of
+  jax.experimental.topologies, where none is at hand. Call it under jax.default_device of that device, so that
+  `auto` plans and the rows (rows_for) are that device's."""
+  graphdef, params, cache, rest = _graph(cfg, rows_for(batch), cache_len)
+  place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  params = jax.tree.map(lambda x: place(jax.ShapeDtypeStruct(x.shape, jnp.dtype(cfg.dtype))
+                                        if jnp.issubdtype(x.dtype, jnp.floating) else x), params)
+  B, i32 = rows_for(batch), jnp.int32
+  args = (params, *jax.tree.map(place, (rest, cache, jax.eval_shape(lambda: jax.random.key(0)))),
+          place(jax.ShapeDtypeStruct((B,), i32)), place(jax.ShapeDtypeStruct((), i32)),
+          place(jax.ShapeDtypeStruct((), i32)))
+  statics = {"graphdef": graphdef, "sampling": dataclasses.replace(sampling, seed=0), "width": cache_len}
+  return _lowered(_decode, statics, args, compiler_options)
 
 
 def _cast(tree, dtype):
@@ -260,12 +294,7 @@ class Decoder:
     self.sampling, self.stop = sampling, NO_STOP if stop_token is None else stop_token
     self.compiler_options = dict(compiler.DECODE if compiler_options is None else compiler_options)
 
-    def build() -> GPT:  # the decoding graph: the model under `cfg`, with a cache
-      m = GPT(cfg, rngs=nnx.Rngs(0))
-      m.init_cache(self.rows, cache_len)
-      return m
-
-    self.graphdef, params, self._cache_shapes, rest = nnx.split(nnx.eval_shape(build), nnx.Param, nnx.Cache, ...)
+    self.graphdef, params, self._cache_shapes, rest = _graph(cfg, self.rows, cache_len)
     source = nnx.state(model, nnx.Param)
     if jax.tree.structure(source) != jax.tree.structure(params):
       raise ValueError("the model's parameters do not fit the decoding graph (a GPT built from model.cfg)")
@@ -273,7 +302,7 @@ class Decoder:
     if cfg == model.cfg:  # the model's own non-parameter state (e.g. te-fp8's trained FP8 scaling)
       rest = nnx.split(model, nnx.Param, nnx.Cache, ...)[3]
     elif jax.tree.leaves(rest):  # the new backend's own fresh state (only the parameters carry over)
-      rest = jax.jit(lambda: nnx.split(build(), nnx.Param, nnx.Cache, ...)[3])()
+      rest = jax.jit(lambda: nnx.split(_model(cfg, self.rows, cache_len), nnx.Param, nnx.Cache, ...)[3])()
     self.rest = rest
     self._compile()
 
