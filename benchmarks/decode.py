@@ -60,9 +60,12 @@ QUICK = dict(preset="tiny", long_seq_len=256, backends=["naive", "xla", "cudnn"]
 TARGETS = dict(kv_heads=[12, 4, 1], batch1_context=1536, batch1_ms=0.30, batch_at=(64, 2048),
                frac_copy_bw={12: 0.85, 4: 0.70, 1: 0.50}, gqa_over_mha=(4, 2.2), kernels=100)
 FULL["targets"] = TARGETS
-XLA_OPTIONS = {"decode": compiler.DECODE, "default": {},  # --xla-options: models.compiler.DECODE, XLA's own, or
+XLA_OPTIONS = {"decode": compiler.DECODE, "default": {},  # --xla-options: models.compiler.DECODE, XLA's own,
                "gemm": compiler.DECODE | {k: v for k, v in compiler.GEMM.items()  # DECODE with the trainer's GEMM
-                                           if k != "xla_gpu_dot_merger_threshold_mb"}}  # options (models.compiler)
+                                           if k != "xla_gpu_dot_merger_threshold_mb"},  # options (models.compiler),
+               # or DECODE with no GEMM split over K: a split GEMM (more blocks for a few rows) sums its parts in a
+               # kernel of its own, one more per GEMM that XLA splits
+               "unsplit": compiler.DECODE | {"xla_gpu_experimental_force_split_k": 1}}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ KERNELS_NOTE = ("`kernels_per_step`: the GPU kernels and device copies of the de
                 "in a profiler trace of one more call, over its steps (the loop's condition included); empty for "
                 "programs compiled with command buffers, whose trace shows each CUDA graph as one launch. "
                 "`xla_options`: `decode` compiles with models.compiler.DECODE (command buffers, the loop as one CUDA "
-                "graph), `default` with XLA's own options, `gemm` with DECODE and the trainer's GEMM options.")
+                "graph), `default` with XLA's own options, `gemm` with DECODE and the trainer's GEMM options, "
+                "`unsplit` with DECODE and no GEMM split over K (no kernel summing a split GEMM's parts).")
 
 
 def kv_cache(n_layer: int, B: int, length: int, K: int, H: int, itemsize: int) -> int:

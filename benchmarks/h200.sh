@@ -53,10 +53,12 @@ if [[ $PART == all || $PART == bias ]]; then
   python -m benchmarks.train --preset gpt2-medium --backends cudnn --bias with without --out "$OUT/gpt2-medium/bias"
 fi
 if [[ $PART == all || $PART == decode ]]; then
-  # ~3 minutes: time to first token for every backend, then backend by backend (cudnn first) K 12/4/1 x
+  # ~5 minutes: time to first token for every backend, then backend by backend (cudnn first) K 12/4/1 x
   # B 1/64 x contexts 512/2048/8192 until the budget is spent; the points not run are rows saying so
   # (default: XLA's own options, whose points count the kernels a step runs; the decode options' CUDA graphs hide them)
-  python -m benchmarks.decode --batches 1 64 --xla-options decode default --budget-s 150 --out "$OUT"
+  python -m benchmarks.decode --batches 1 64 --xla-options decode unsplit default --budget-s 240 --out "$OUT"
+  # the same step's kernels as its compiled loop counts them, beside the trace's (benchmarks.kernels)
+  python -m benchmarks.kernels --out "$OUT/decode-kernels"
 fi
 if [[ $PART == all || $PART == summary ]]; then
   python -m benchmarks.layer --merge "$PARTS/more/layer.json" "$PARTS/seq/layer.json" "$PARTS/batch/layer.json" --out "$OUT"
