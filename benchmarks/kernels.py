@@ -141,8 +141,8 @@ def main(argv=None) -> None:
                    backend=a.backend, options=a.xla_options)
     rows.append({"K": K, "kernels_per_step": sum(counts.values()), **dict(counts.most_common())})
     print(rows[-1], flush=True)
-  env = common.environment() | {"target": str(device.device_kind), "compiled_for": "the GPU at hand"
-                                if device in jax.devices() else "a compile-only device (no autotuning)",
+  env = common.environment() | {"target": str(device.device_kind), "compiled_for": "the GPU at hand, autotuned"
+                                if device in jax.devices() else "compile-only, not autotuned",
                                 "preset": a.preset, "batch": a.batch, "context": a.context, "backend": a.backend,
                                 "xla_options": a.xla_options}
   os.makedirs(a.out, exist_ok=True)
