@@ -125,9 +125,10 @@ def main(argv=None) -> None:
     try:
       out = np.asarray(attnlayers.attention(q, k, v, backend=name, is_causal=a.causal).astype(jnp.float32),
                        np.float64)
-    except jax.errors.JaxRuntimeError as e:
+    except jax.errors.JaxRuntimeError as e:  # XLA could not compile or run this backend's call: its row says so
       if (oom := device.out_of_memory(e)) is None:
-        raise
+        print(f"{name:>7}  {device.xla_failure(e)}")
+        continue
       naive = " (it builds the (B, N, T, S) scores)" if plan.chosen == "naive" else ""
       print(f"{name:>7}  {oom}{naive}: lower --seq-len, --batch or --heads")
       continue

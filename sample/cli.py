@@ -255,8 +255,10 @@ def main(argv=None) -> None:
               "model was trained in (python -m train --dtype)")
     print(f"error: {e}{hint}", file=sys.stderr)
     sys.exit(2)
-  except jax.errors.JaxRuntimeError as e:
-    if (oom := device.out_of_memory(e)) is None:
-      raise
-    print(f"error: {oom}; lower --batch (the samples drawn together) or --tokens", file=sys.stderr)
+  except jax.errors.JaxRuntimeError as e:  # XLA could not compile or run decoding: one line, not JAX's traceback
+    if (oom := device.out_of_memory(e)) is not None:
+      print(f"error: {oom}; lower --batch (the samples drawn together) or --tokens", file=sys.stderr)
+    else:
+      print(f"error: {device.xla_failure(e)} (--attn xla decodes on XLA's own ops, to tell the attention kernel "
+            "from the rest)", file=sys.stderr)
     sys.exit(1)

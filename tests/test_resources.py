@@ -112,6 +112,42 @@ def test_attnlayers_reports_a_backend_out_of_memory_as_its_row(monkeypatch, caps
   assert any(r.strip().startswith("xla  ok") for r in rows), rows  # the other backends still run
 
 
+CUDNN_FAILURE = jax.errors.JaxRuntimeError("INTERNAL: cuDNN graph failed to build: CUDNN_STATUS_NOT_SUPPORTED\n"
+                                           "  in the fused attention custom call")  # XLA's wording of a kernel's error
+
+
+def test_an_xla_failure_other_than_memory_is_one_line(tmp_path, monkeypatch, capsys):
+  """A kernel XLA cannot build ends the trainer, the sampler and python -m attnlayers's row in one line with XLA's
+  status, not in JAX's traceback."""
+  assert device.xla_failure(ValueError("INTERNAL: x")) is None
+  assert device.xla_failure(CUDNN_FAILURE) == (f"XLA failed on {device.current().describe()}: INTERNAL: cuDNN graph "
+                                               "failed to build: CUDNN_STATUS_NOT_SUPPORTED")
+
+  def fail(*args, **kwargs):
+    raise CUDNN_FAILURE
+  monkeypatch.setattr(loop, "_train", fail)
+  with pytest.raises(SystemExit) as stop:
+    cli.main([*TINY, "--steps", "2", "--attn", "naive", "--ckpt-dir", str(tmp_path / "c")])
+  line = one_error_line(capsys.readouterr().err)
+  assert stop.value.code == 1 and "CUDNN_STATUS_NOT_SUPPORTED" in line and "--attn xla runs it" in line, line
+  assert not (tmp_path / "c").exists()  # the folder the run made, empty, is gone
+
+  monkeypatch.setattr(sample_cli, "run", fail)
+  with pytest.raises(SystemExit) as stop:
+    sample_cli.main([])
+  line = one_error_line(capsys.readouterr().err)
+  assert stop.value.code == 1 and "CUDNN_STATUS_NOT_SUPPORTED" in line and "--attn xla decodes" in line, line
+
+  real = attnlayers_main.attnlayers.attention
+  monkeypatch.setattr(attnlayers_main.attnlayers, "attention",
+                      lambda q, k, v, *, backend, **kw: fail() if backend == "naive" else real(q, k, v, backend=backend,
+                                                                                              **kw))
+  attnlayers_main.main(["--seq-len", "16", "--dtype", "float32"])
+  rows = capsys.readouterr().out.splitlines()
+  assert any(r.strip().startswith("naive  XLA failed on") and r.endswith("CUDNN_STATUS_NOT_SUPPORTED") for r in rows)
+  assert any(r.strip().startswith("xla  ok") for r in rows), rows  # the other backends still run
+
+
 def disk(free: int, total: int = 2**30):
   return lambda path: shutil._ntuple_diskusage(total, total - free, free)
 

@@ -198,6 +198,14 @@ def memory_hint(backend: str) -> str:
   return f"; lower --batch-size, --seq-len or --vocab-size{naive}"
 
 
+def failure_hint(backend: str) -> str:
+  """What tells a failing kernel from the rest of the step, after device.xla_failure's line."""
+  if backend == "xla":
+    return ""
+  return f" (the step's attention ran on --attn {backend}: --attn xla runs it on XLA's own ops, to tell the kernel " \
+         "from the rest of the step)"
+
+
 def start(argv=None) -> Start:
   """The run of the flags of `argv`, every check of checks.CHECKS passed; the first that refuses ends the process."""
   s = Start(parse(argv))
@@ -260,12 +268,11 @@ def main(argv=None) -> None:
     if s.fresh:  # made by train.rundirs: a --ckpt-dir this run made goes in loop.run (Checkpoints.discard_if_unused)
       rundirs.discard_if_unused(cfg.ckpt_dir, s.made)
     _refuse(f"{e}{_flag_hint(e, a)}")
-  except jax.errors.JaxRuntimeError as e:
-    if (oom := device.out_of_memory(e)) is None:
-      raise
+  except jax.errors.JaxRuntimeError as e:  # XLA could not compile or run the step: one line, not JAX's traceback
     if s.fresh:
       rundirs.discard_if_unused(cfg.ckpt_dir, s.made)
-    _fail(oom + memory_hint(model.backend))
+    oom = device.out_of_memory(e)
+    _fail(oom + memory_hint(model.backend) if oom else device.xla_failure(e) + failure_hint(model.backend))
   try:
     _report_end(s, summary)
   except KeyboardInterrupt:  # Ctrl-C while the end is printed: the run is over and saved, nothing to stop
