@@ -178,6 +178,8 @@ def _one_position(cache):
   position is copied to keep its old value while another's is written."""
   leaves, tree = jax.tree_util.tree_flatten_with_path(cache)
   at = [i for i, (path, _) in enumerate(leaves) if "['cache_index']" in jax.tree_util.keystr(path)]
+  if not at:
+    raise ValueError(f"the decoding graph's cache has no cache_index among {[jax.tree_util.keystr(p) for p, _ in leaves]}")
   kv = [x for i, (_, x) in enumerate(leaves) if i not in at]
 
   def join(kv, pos):
