@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the published results on one NVIDIA GPU with TransformerEngine installed.
 # Run from the repository root: `bash benchmarks/h200.sh [OUT] [PART]`. OUT defaults to
-# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, packing, train, speed, bias, decode, so
+# benchmarks/results/h200; PART (default all) runs one of: kernels, layer, packing, train, speed, bias, decode, decode-options, so
 # that each part fits in one 10-minute device command. `summary` (no GPU needed) then writes
 # benchmarks/RESULTS.md from OUT.
 set -euo pipefail
@@ -53,12 +53,18 @@ if [[ $PART == all || $PART == bias ]]; then
   python -m benchmarks.train --preset gpt2-medium --backends cudnn --bias with without --out "$OUT/gpt2-medium/bias"
 fi
 if [[ $PART == all || $PART == decode ]]; then
-  # ~5 minutes: time to first token for every backend, then backend by backend (cudnn first) K 12/4/1 x
+  # ~3 minutes: time to first token for every backend, then backend by backend (cudnn first) K 12/4/1 x
   # B 1/64 x contexts 512/2048/8192 until the budget is spent; the points not run are rows saying so
-  # (default: XLA's own options, whose points count the kernels a step runs; the decode options' CUDA graphs hide them)
-  python -m benchmarks.decode --batches 1 64 --xla-options decode unsplit default --budget-s 240 --out "$OUT"
-  # the same step's kernels as its compiled loop counts them, beside the trace's (benchmarks.kernels)
+  python -m benchmarks.decode --batches 1 64 --budget-s 150 --out "$OUT"
+  # the same step's kernels as its compiled loop counts them (benchmarks.kernels)
   python -m benchmarks.kernels --out "$OUT/decode-kernels"
+fi
+if [[ $PART == all || $PART == decode-options ]]; then
+  # ~5 minutes: cudnn's decode under each set of XLA options, K 12/4/1 at the targets' points (batch 1 at context
+  # 1536, batch 64 at 2048); XLA's own options (default) count the kernels a step runs in a trace, which the
+  # decode options' CUDA graphs hide
+  python -m benchmarks.decode --backends cudnn --batches 1 64 --contexts 2048 --xla-options decode unsplit default \
+    --budget-s 300 --out "$OUT/decode-options"
 fi
 if [[ $PART == all || $PART == summary ]]; then
   python -m benchmarks.layer --merge "$PARTS/more/layer.json" "$PARTS/seq/layer.json" "$PARTS/batch/layer.json" --out "$OUT"
