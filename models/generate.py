@@ -76,25 +76,24 @@ def sample(logits: Float[Array, "B V"], key, sampling: Sampling) -> Int[Array, "
   over the top k.
 
   The ids past real_vocab (a vocabulary padded for the GEMMs: GPT-2's 50257 to 50304) are left out, as logits of
-  -inf would be: no data trained them as targets, and their logits are whatever the weights give."""
+  -inf would be: no data trained them as targets, and their logits are whatever the weights give.
+
+  A draw is the Gumbel-max one, argmax(logits / T + g) with g ~ Gumbel(0, 1) per logit, taken as argmax(logits +
+  T * g) (the same argmax for T > 0): no division, so a tiny temperature leaves the logits' order rather than
+  sending them to +-inf. With top_k it draws among jax.lax.top_k's k (ties at the k-th largest go to the lower
+  index, exactly k kept), so a step sorts, draws and picks in a few kernels, none of them of the vocabulary's
+  size but the top-k."""
   logits = logits[:, :sampling.real_vocab]  # (B, real_vocab); None: (B, V)
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  # the row's largest at 0 first: a tiny temperature then sends the rest to -inf, not everything to +-inf
-  logits = (logits - logits.max(axis=-1, keepdims=True)) / sampling.temperature
-  return jax.random.categorical(key, keep_top_k(logits, sampling.top_k)).astype(jnp.int32)
-
-
-def keep_top_k(logits: Float[Array, "B V"], k: int | None) -> Float[Array, "B V"]:
-  """logits with all but each row's k largest at -inf; k None or >= V keeps them all.
-
-  Exactly k stay: ties at the k-th largest go to the lower index, as jax.lax.top_k (and torch.topk) pick.
-  Comparing with the k-th value instead kept every token tied with it."""
-  if k is None or k >= logits.shape[-1]:
-    return logits
-  values, indices = jax.lax.top_k(logits, k)  # (B, k) each
-  rows = jnp.arange(logits.shape[0])[:, None]  # (B, 1)
-  return jnp.full_like(logits, -jnp.inf).at[rows, indices].set(values)
+  ids = None
+  if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+    logits, ids = jax.lax.top_k(logits, sampling.top_k)  # (B, k) each
+  noise = jax.random.gumbel(key, logits.shape, jnp.float32)  # (B, V | k)
+  choice = jnp.argmax(logits.astype(jnp.float32) + sampling.temperature * noise, axis=-1)  # (B,)
+  if ids is not None:
+    choice = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+  return choice.astype(jnp.int32)
 
 
 def bucket(n: int, limit: int) -> int:
@@ -158,8 +157,8 @@ def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling,
     i, kv, pos, key, token, done, out, n_new = carry
     model = nnx.merge(graphdef, params, join(kv, pos), rest)
     logits = model(token[:, None], decode=True)[:, 0]  # (B, V)
-    key, sub = _split(key, sampling)
-    token = jnp.where(done, stop, sample(logits, sub, sampling))  # (B,) a finished row repeats its stop
+    token = jnp.where(done, stop, sample(logits, jax.random.fold_in(key, i), sampling))  # (B,) a finished row
+    # repeats its stop; step i draws with the call's key folded with i, so the loop carries one key, unchanged
     out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))  # out[:, i] = token
     kv, pos, _ = _one_position(nnx.state(model, nnx.Cache))
     return i + 1, kv, pos, key, token, done | (token == stop), out, n_new + ~done
@@ -167,6 +166,7 @@ def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling,
   out = jnp.full((B, width), stop, jnp.int32)  # (B, width) the new tokens; columns past the loop's end hold stop
   carry = (jnp.int32(0), kv, pos, key, first, first == stop, out, jnp.zeros((B,), jnp.int32))
   ran, kv, pos, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
+  key = _split(key, sampling)[0]  # the next call's key: a stream of its own
   return join(kv, pos), key, out, n_new, ran  # ran: the steps taken; every row's cache advanced by that many
 
 

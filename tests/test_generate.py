@@ -19,7 +19,7 @@ from flax import nnx
 import attnlayers
 import models
 from models import plans
-from models.generate import Decoder, Sampling, generate, keep_top_k, sample
+from models.generate import Decoder, Sampling, generate, sample
 
 GREEDY = Sampling(temperature=0)
 PROMPTS = [np.array([5, 9, 2]), np.arange(17) % 7 + 20, (np.arange(50) * 7) % 64]  # ragged: 3, 17, 50 tokens
@@ -260,15 +260,29 @@ def test_sampling_follows_seed_temperature_and_top_k():
 
 def test_top_k_keeps_exactly_k_tokens_when_the_kth_logit_is_tied():
   """Ties at the k-th largest logit are broken by index, as jax.lax.top_k (and torch.topk) pick: the k lowest-index
-  of the largest stay, never more; every token was kept where all tied."""
+  of the largest stay, never more; every token can be drawn where k covers the vocabulary or is None."""
   logits = jnp.array([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0],   # k=2: 3.0 and the first 2.0 (index 2)
                       [5.0, 5.0, 5.0, 5.0, 5.0, 5.0]])  # all tied: indices 0 and 1
-  kept = np.asarray(keep_top_k(logits, 2))
-  assert np.isfinite(kept).sum(axis=1).tolist() == [2, 2]
-  np.testing.assert_array_equal(kept[0], [-np.inf, 3.0, 2.0, -np.inf, -np.inf, -np.inf])
-  np.testing.assert_array_equal(kept[1], [5.0, 5.0, -np.inf, -np.inf, -np.inf, -np.inf])
-  for k in (6, None):  # the whole vocabulary, or no top_k: nothing is filtered
-    np.testing.assert_array_equal(keep_top_k(logits, k), logits)
+  rows = jnp.tile(logits, (2048, 1))  # (4096, 6): rows 0, 2, 4, ... are the first, the others the second
+  drawn = np.asarray(sample(rows, jax.random.key(0), Sampling(temperature=100.0, top_k=2))).reshape(2048, 2)
+  assert set(drawn[:, 0].tolist()) == {1, 2} and set(drawn[:, 1].tolist()) == {0, 1}
+  for k in (6, None):  # the whole vocabulary, or no top_k: nothing is left out
+    everything = np.asarray(sample(rows, jax.random.key(1), Sampling(temperature=100.0, top_k=k))).reshape(2048, 2)
+    assert set(everything[:, 1].tolist()) == set(range(6))
+
+
+def test_a_draw_follows_softmax_of_the_logits_over_the_temperature():
+  """The frequencies of 40,000 draws are softmax(logits / T) over the top k, within 5 standard errors."""
+  logits = jnp.array([0.0, 1.0, 2.0, -1.0])
+  n = 40_000
+  for temperature, top_k in ((1.0, None), (0.5, None), (2.0, 2)):
+    drawn = np.asarray(sample(jnp.tile(logits, (n, 1)), jax.random.key(3), Sampling(temperature, top_k)))
+    kept = np.asarray(logits) / temperature
+    if top_k is not None:
+      kept = np.where(np.asarray(logits) >= np.sort(np.asarray(logits))[-top_k], kept, -np.inf)
+    p = np.exp(kept - kept.max()) / np.exp(kept - kept.max()).sum()
+    freq = np.bincount(drawn, minlength=4) / n
+    np.testing.assert_allclose(freq, p, atol=5 * np.sqrt(p * (1 - p) / n).max() + 1e-12)
 
 
 def test_sampling_with_top_k_draws_only_from_the_k_kept_tokens():
