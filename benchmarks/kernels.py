@@ -107,15 +107,15 @@ def loop_kernels(hlo: str) -> collections.Counter:
   return counts
 
 
-def count(device, *, preset: str, K: int, batch: int, context: int, steps: int, backend: str,
-          options: str) -> collections.Counter:
-  """loop_kernels of the decode program of a `preset` Decoder (K kv heads, greedy) compiled for `device`."""
+def count(device, *, preset: str, K: int, batch: int, context: int, steps: int, backend: str, options: str,
+          sampling: generate.Sampling) -> collections.Counter:
+  """loop_kernels of the decode program of a `preset` Decoder (K kv heads) compiled for `device`."""
   cfg = models.preset(preset, n_kv_head=K, backend=backend)
   cfg = cfg if context + steps <= cfg.seq_len else models.preset(preset, n_kv_head=K, backend=backend,
                                                                 seq_len=context + steps)
   with jax.default_device(device):
     lowered = generate.lower_decode(cfg, batch=batch, cache_len=context + steps,
-                                    sampling=generate.Sampling(temperature=0), compiler_options=XLA_OPTIONS[options],
+                                    sampling=sampling, compiler_options=XLA_OPTIONS[options],
                                     sharding=jax.sharding.SingleDeviceSharding(device))
     return loop_kernels(lowered.compile().as_text())
 
@@ -131,26 +131,33 @@ def main(argv=None) -> None:
   p.add_argument("--steps", type=int, default=64)
   p.add_argument("--backend", default="cudnn")
   p.add_argument("--xla-options", default="decode", choices=list(XLA_OPTIONS))
+  p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+  p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--out", default="runs/kernels")
   a = p.parse_args(argv)
   common.check_out(p, a.out)
+  try:
+    sampling = generate.Sampling(temperature=a.temperature, top_k=a.top_k)
+  except ValueError as e:
+    p.error(str(e))
   device = target_device(a.target)
   rows = []
   for K in a.kv_heads:
     counts = count(device, preset=a.preset, K=K, batch=a.batch, context=a.context, steps=a.steps,
-                   backend=a.backend, options=a.xla_options)
+                   backend=a.backend, options=a.xla_options, sampling=sampling)
     rows.append({"K": K, "kernels_per_step": sum(counts.values()), **dict(counts.most_common())})
     print(rows[-1], flush=True)
   env = common.environment() | {"target": str(device.device_kind), "compiled_for": "the GPU at hand, autotuned"
                                 if device in jax.devices() else "compile-only, not autotuned",
                                 "preset": a.preset, "batch": a.batch, "context": a.context, "backend": a.backend,
-                                "xla_options": a.xla_options}
+                                "xla_options": a.xla_options, "temperature": a.temperature, "top_k": a.top_k}
   os.makedirs(a.out, exist_ok=True)
   report.write_json(f"{a.out}/kernels.json", env, rows)
   cols = ["K", "kernels_per_step", *sorted({k for r in rows for k in r} - {"K", "kernels_per_step"})]
   with open(f"{a.out}/kernels.md", "w", encoding="utf-8") as f:
     f.write(f"# Kernels per decode step, compiled for {env['target']} ({env['compiled_for']})\n\n"
-            f"{a.preset}, batch {a.batch}, context {a.context}, {a.backend}, XLA options {a.xla_options}\n\n"
+            f"{a.preset}, batch {a.batch}, context {a.context}, {a.backend}, XLA options {a.xla_options}, "
+            f"{'greedy' if a.temperature == 0 else f'temperature {a.temperature}, top_k {a.top_k}'}\n\n"
             f"{report.markdown_table(rows, cols)}\n")
   print(report.markdown_table(rows, cols))
 
