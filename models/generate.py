@@ -147,35 +147,37 @@ def _prefill(params, rest, cache, key, prompts, lengths, *, graphdef, sampling):
 
 def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling, width):
   B = first.shape[0]
-  kv, pos, join = _one_position(cache)
+  kv, start, join = _one_position(cache)  # start (B,): each row's position when the loop starts
 
   def more(carry):
-    i, _, _, _, _, done, _, _ = carry
+    i, _, _, _, done, _, _ = carry
     return (i < steps) & ~jnp.all(done)
 
   def step(carry):
-    i, kv, pos, key, token, done, out, n_new = carry
-    model = nnx.merge(graphdef, params, join(kv, pos), rest)
+    i, kv, key, token, done, out, n_new = carry
+    # every row advances one position a step (Decoder.decode checks the cache has room for them all), so step i
+    # is at start + i: the loop carries no position, and the blocks' own advance of it goes unused
+    model = nnx.merge(graphdef, params, join(kv, start + i), rest)
     logits = model(token[:, None], decode=True)[:, 0]  # (B, V)
     token = jnp.where(done, stop, sample(logits, jax.random.fold_in(key, i), sampling))  # (B,) a finished row
     # repeats its stop; step i draws with the call's key folded with i, so the loop carries one key, unchanged
     out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))  # out[:, i] = token
-    kv, pos, _ = _one_position(nnx.state(model, nnx.Cache))
-    return i + 1, kv, pos, key, token, done | (token == stop), out, n_new + ~done
+    kv, _, _ = _one_position(nnx.state(model, nnx.Cache))
+    return i + 1, kv, key, token, done | (token == stop), out, n_new + ~done
 
   out = jnp.full((B, width), stop, jnp.int32)  # (B, width) the new tokens; columns past the loop's end hold stop
-  carry = (jnp.int32(0), kv, pos, key, first, first == stop, out, jnp.zeros((B,), jnp.int32))
-  ran, kv, pos, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
+  carry = (jnp.int32(0), kv, key, first, first == stop, out, jnp.zeros((B,), jnp.int32))
+  ran, kv, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
   key = _split(key, sampling)[0]  # the next call's key: a stream of its own
-  return join(kv, pos), key, out, n_new, ran  # ran: the steps taken; every row's cache advanced by that many
+  return join(kv, start + ran), key, out, n_new, ran  # ran: the steps taken; every row's cache advanced by that many
 
 
 def _one_position(cache):
   """(the cache's keys and values, its position (B,), join: (keys and values, position) -> the cache).
 
   Every block's cache_index holds the same positions (each call advances them all by the same lengths), so the
-  decode loop carries one: the blocks read one buffer, their equal updates are one computation, and no block's
-  position is copied to keep its old value while another's is written."""
+  decode loop reads one and derives each step's from it: the blocks read one buffer, and no block's position is
+  copied to keep its old value while another's is written."""
   leaves, tree = jax.tree_util.tree_flatten_with_path(cache)
   at = [i for i, (path, _) in enumerate(leaves) if "['cache_index']" in jax.tree_util.keystr(path)]
   if not at:

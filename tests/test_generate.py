@@ -158,10 +158,10 @@ def test_decode_is_one_compiled_loop_and_pads_finished_rows_with_stop():
   assert int(n_new[1]) == stopped and tokens[1, stopped:].tolist() == [0] * (10 - stopped)
 
 
-def test_the_decode_loop_carries_one_position_for_every_block():
-  """Every block's cache_index holds the same positions, so the loop carries one (B,) vector however many blocks
-  there are (a copy of each block's old position per step was the price of carrying them all), and each block's
-  cache_index comes back equal to it. Greedy decoding draws no random bits: its key comes back as it went in."""
+def test_the_decode_loop_carries_no_position_per_block():
+  """Every block's cache_index holds the same positions, so the loop's carry does not grow with the blocks (a copy
+  of each block's old position per step was the price of carrying them all), and each block's cache_index comes
+  back equal to the decoder's positions. Greedy decoding draws no random bits: its key comes back as it went in."""
   carried = {}
   for n_layer in (1, 3):
     d = Decoder(model(config(n_layer=n_layer)), batch=3, cache_len=64, prompt_len=64, sampling=GREEDY)
