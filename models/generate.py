@@ -150,11 +150,10 @@ def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling,
   kv, start, join = _one_position(cache)  # start (B,): each row's position when the loop starts
 
   def more(carry):
-    i, _, _, _, done, _, _ = carry
-    return (i < steps) & ~jnp.all(done)
+    return carry[5]  # go: a step is left and some row has not stopped (the step before computes it, with its tokens)
 
   def step(carry):
-    i, kv, key, token, done, out, n_new = carry
+    i, kv, key, token, done, _, out, n_new = carry
     # every row advances one position a step (Decoder.decode checks the cache has room for them all), so step i
     # is at start + i: the loop carries no position, and the blocks' own advance of it goes unused
     model = nnx.merge(graphdef, params, join(kv, start + i), rest)
@@ -163,11 +162,13 @@ def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling,
     # repeats its stop; step i draws with the call's key folded with i, so the loop carries one key, unchanged
     out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))  # out[:, i] = token
     kv, _, _ = _one_position(nnx.state(model, nnx.Cache))
-    return i + 1, kv, key, token, done | (token == stop), out, n_new + ~done
+    n_new, done = n_new + ~done, done | (token == stop)
+    return i + 1, kv, key, token, done, (i + 1 < steps) & ~jnp.all(done), out, n_new
 
   out = jnp.full((B, width), stop, jnp.int32)  # (B, width) the new tokens; columns past the loop's end hold stop
-  carry = (jnp.int32(0), kv, key, first, first == stop, out, jnp.zeros((B,), jnp.int32))
-  ran, kv, key, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
+  done = first == stop
+  carry = (jnp.int32(0), kv, key, first, done, (steps > 0) & ~jnp.all(done), out, jnp.zeros((B,), jnp.int32))
+  ran, kv, key, _, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
   key = _split(key, sampling)[0]  # the next call's key: a stream of its own
   return join(kv, start + ran), key, out, n_new, ran  # ran: the steps taken; every row's cache advanced by that many
 
