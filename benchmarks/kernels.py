@@ -94,17 +94,38 @@ def kind(line: str) -> str | None:
 
 
 def loop_kernels(hlo: str) -> collections.Counter:
-  """The kernels of one step of the program's (first) while loop, by kind: its body's and its condition's."""
+  """The kernels of one step of the program's (first) while loop, by kind: its body's and its condition's. A `call`
+  (a command buffer's computation, where XLA outlines one) counts as the kernels it holds."""
   comps = _computations(hlo)
-  loop = next((line for line in comps["ENTRY"] if kind(line) == "while"), None)
+  loop = _find_while(comps, "ENTRY")
   if loop is None:
     raise ValueError("the program has no while loop in its entry computation")
   counts = collections.Counter()
   for part in ("body", "condition"):
-    for line in comps[re.search(part + r"=%?([\w.\-]+)", loop).group(1)]:
-      if (k := kind(line)) is not None:
-        counts[k] += 1
+    _add_kernels(comps, re.search(part + r"=%?([\w.\-]+)", loop).group(1), counts)
   return counts
+
+
+def _called(line: str) -> str:
+  return re.search(r"to_apply=%?([\w.\-]+)", line).group(1)
+
+
+def _find_while(comps: dict, name: str) -> str | None:
+  """The first while instruction of computation `name`, or of a computation it calls."""
+  for line in comps[name]:
+    if (k := kind(line)) == "while":
+      return line
+    if k == "call" and (found := _find_while(comps, _called(line))) is not None:
+      return found
+  return None
+
+
+def _add_kernels(comps: dict, name: str, counts: collections.Counter) -> None:
+  for line in comps[name]:
+    if (k := kind(line)) == "call":
+      _add_kernels(comps, _called(line), counts)
+    elif k is not None:
+      counts[k] += 1
 
 
 def count(device, *, preset: str, K: int, batch: int, context: int, steps: int, backend: str, options: str,

@@ -41,3 +41,47 @@ def test_a_program_without_a_loop_is_refused():
   text = jax.jit(lambda x: x + 1).lower(1.0).compile().as_text()
   with pytest.raises(ValueError, match="no while loop"):
     kernels.loop_kernels(text)
+
+
+def test_a_command_buffers_call_counts_as_the_kernels_it_holds():
+  """Where XLA outlines kernels into a command buffer's computation, the loop is found through the call and the
+  call counts as what it holds."""
+  hlo = """HloModule m
+
+%fused_add (p: f32[2]) -> f32[2] {
+  %p = f32[2]{0} parameter(0)
+  ROOT %a = f32[2]{0} add(%p, %p)
+}
+
+%command_buffer.1 (q: f32[2]) -> f32[2] {
+  %q = f32[2]{0} parameter(0)
+  %f1 = f32[2]{0} fusion(%q), kind=kLoop, calls=%fused_add
+  ROOT %f2 = f32[2]{0} fusion(%f1), kind=kLoop, calls=%fused_add
+}
+
+%body (t: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %t = (s32[], f32[2]{0}) parameter(0)
+  %x = f32[2]{0} get-tuple-element(%t), index=1
+  %c = f32[2]{0} call(%x), to_apply=%command_buffer.1
+  %g = f32[2]{0} custom-call(%c), custom_call_target="__cudnn$fmhaSoftmax"
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %r = (s32[], f32[2]{0}) tuple(%i, %g)
+}
+
+%cond (u: (s32[], f32[2])) -> pred[] {
+  %u = (s32[], f32[2]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%u), index=0
+  ROOT %lt = pred[] compare(%j, %j), direction=LT
+}
+
+%command_buffer (v: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %v = (s32[], f32[2]{0}) parameter(0)
+  ROOT %w = (s32[], f32[2]{0}) while(%v), condition=%cond, body=%body
+}
+
+ENTRY %main (e: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %e = (s32[], f32[2]{0}) parameter(0)
+  ROOT %k = (s32[], f32[2]{0}) call(%e), to_apply=%command_buffer
+}
+"""
+  assert kernels.loop_kernels(hlo) == {"fusion:kLoop": 2, "custom-call:__cudnn$fmhaSoftmax": 1, "compare": 1}
