@@ -256,16 +256,24 @@ def lower_decode(cfg, *, batch: int, cache_len: int, sampling: Sampling, compile
   (no parameters are made): what XLA compiles for a device, e.g. a compile-only one of
   jax.experimental.topologies, where none is at hand. Call it under jax.default_device of that device, so that
   `auto` plans and the rows (rows_for) are that device's."""
-  graphdef, params, cache, rest = _graph(cfg, rows_for(batch), cache_len)
+  rows = rows_for(batch)
+  graphdef, params, cache, rest = _graph(cfg, rows, cache_len)
+  params = jax.eval_shape(lambda p: _cast(p, jnp.dtype(cfg.dtype)), params)  # as the Decoder casts them
+  statics, args = _decode_call(graphdef, (params, rest, cache, _key_shape()), rows, cache_len, sampling)
   place = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-  params = jax.tree.map(lambda x: place(jax.ShapeDtypeStruct(x.shape, jnp.dtype(cfg.dtype))
-                                        if jnp.issubdtype(x.dtype, jnp.floating) else x), params)
-  B, i32 = rows_for(batch), jnp.int32
-  args = (params, *jax.tree.map(place, (rest, cache, jax.eval_shape(lambda: jax.random.key(0)))),
-          place(jax.ShapeDtypeStruct((B,), i32)), place(jax.ShapeDtypeStruct((), i32)),
-          place(jax.ShapeDtypeStruct((), i32)))
+  return _lowered(_decode, statics, jax.tree.map(place, args), compiler_options)
+
+
+def _decode_call(graphdef, state: tuple, rows: int, cache_len: int, sampling: Sampling) -> tuple[dict, tuple]:
+  """The decode program's static arguments and arguments: `state` (parameters, rest, cache, key), then the first
+  tokens (rows,), the step count and the stop token as int32 shapes."""
+  i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   statics = {"graphdef": graphdef, "sampling": dataclasses.replace(sampling, seed=0), "width": cache_len}
-  return _lowered(_decode, statics, args, compiler_options)
+  return statics, (*state, i32((rows,)), i32(()), i32(()))
+
+
+def _key_shape():
+  return jax.eval_shape(lambda: jax.random.key(0))
 
 
 def _cast(tree, dtype):
@@ -315,12 +323,12 @@ class Decoder:
     """Compiles (or finds compiled) both programs for this decoder's shapes; compile_s: the seconds it took."""
     B, i32 = self.rows, jnp.int32
     spec = lambda shape, dtype=i32: jax.ShapeDtypeStruct(shape, dtype)
-    state = (self.params, self.rest, self._cache_shapes, jax.eval_shape(lambda: jax.random.key(0)))
+    state = (self.params, self.rest, self._cache_shapes, _key_shape())
     statics = {"graphdef": self.graphdef, "sampling": dataclasses.replace(self.sampling, seed=0)}
     options = self.compiler_options
     self._prefill, t1 = _compiled(_prefill, statics, (*state, spec((B, self.prompt_len)), spec((B,))), options)
-    self._decode, t2 = _compiled(_decode, statics | {"width": self.cache_len},
-                                 (*state, spec((B,)), spec(()), spec(())), options)
+    self._decode, t2 = _compiled(_decode, *_decode_call(self.graphdef, state, B, self.cache_len, self.sampling),
+                                 options)
     self.compile_s = t1 + t2
 
   def attention_plans(self) -> dict[str, list[attnlayers.Plan]]:
