@@ -131,9 +131,8 @@ def _add_kernels(comps: dict, name: str, counts: collections.Counter) -> None:
 def count(device, *, preset: str, K: int, batch: int, context: int, steps: int, backend: str, options: str,
           sampling: generate.Sampling) -> collections.Counter:
   """loop_kernels of the decode program of a `preset` Decoder (K kv heads) compiled for `device`."""
-  cfg = models.preset(preset, n_kv_head=K, backend=backend)
-  cfg = cfg if context + steps <= cfg.seq_len else models.preset(preset, n_kv_head=K, backend=backend,
-                                                                seq_len=context + steps)
+  seq_len = max(models.PRESETS[preset].seq_len, context + steps)  # the preset's, or a longer one the cache fits
+  cfg = models.preset(preset, n_kv_head=K, backend=backend, seq_len=seq_len)
   with jax.default_device(device):
     lowered = generate.lower_decode(cfg, batch=batch, cache_len=context + steps,
                                     sampling=sampling, compiler_options=XLA_OPTIONS[options],
