@@ -166,7 +166,8 @@ def out_of_memory(error: BaseException, device=None) -> str | None:
 def xla_failure(error: BaseException, device=None) -> str | None:
   """JAX's report that XLA could not compile or run a program (a JaxRuntimeError) other than for memory
   (out_of_memory says that one) in one line, None for any other error: XLA's status and the first line of its
-  message, e.g. "XLA failed on gpu (NVIDIA H200, compute capability 9.0): INTERNAL: cuDNN ... CUDNN_STATUS_NOT_SUPPORTED".
+  message, e.g. "XLA failed on gpu (NVIDIA H200, compute capability 9.0): INTERNAL: cuDNN ...
+  CUDNN_STATUS_NOT_SUPPORTED".
   Callers add what the program was and which of their settings to change."""
   if not isinstance(error, jax.errors.JaxRuntimeError):
     return None

@@ -182,7 +182,8 @@ def _one_position(cache):
   leaves, tree = jax.tree_util.tree_flatten_with_path(cache)
   at = [i for i, (path, _) in enumerate(leaves) if "['cache_index']" in jax.tree_util.keystr(path)]
   if not at:
-    raise ValueError(f"the decoding graph's cache has no cache_index among {[jax.tree_util.keystr(p) for p, _ in leaves]}")
+    paths = [jax.tree_util.keystr(path) for path, _ in leaves]
+    raise ValueError(f"the decoding graph's cache has no cache_index among {paths}")
   kv = [x for i, (_, x) in enumerate(leaves) if i not in at]
 
   def join(kv, pos):
