@@ -1,5 +1,6 @@
 import glob
 import os
+import signal
 
 import jax
 import pytest
@@ -21,6 +22,12 @@ if jax.default_backend() == "cpu":
                     float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes",
                     int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+# A pytest started in the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and so would
+# every trainer it starts. The tests of Ctrl-C send SIGINT as a terminal does, to a process that takes it: give
+# this process, and through it the subprocesses (exec resets a caught signal to its default), Python's handler.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if jax.default_backend() == "gpu":
   # The float32 tolerances in tests/reference.py assume IEEE float32 matmuls; XLA on NVIDIA
