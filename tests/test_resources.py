@@ -46,18 +46,24 @@ def test_out_of_memory_reads_xla_and_its_allocators_wordings(out_of_memory):
   assert device.out_of_memory(ValueError("RESOURCE_EXHAUSTED: Out of memory")) is None  # not XLA's error
 
 
-def test_a_trainer_out_of_memory_is_one_line_naming_the_flags(tmp_path, monkeypatch, capsys, out_of_memory):
-  def step_out_of_memory(*args, **kwargs):
-    raise out_of_memory
-  monkeypatch.setattr(loop, "_train", step_out_of_memory)
+def trainer_stopped_by(error, tmp_path, monkeypatch, capsys) -> tuple[int, str]:
+  """The exit code and the one error line of a tiny naive run whose step raises `error`; the folder the run made,
+  empty, is gone."""
+  def step(*args, **kwargs):
+    raise error
+  monkeypatch.setattr(loop, "_train", step)
   with pytest.raises(SystemExit) as stop:
     cli.main([*TINY, "--steps", "2", "--attn", "naive", "--ckpt-dir", str(tmp_path / "c")])
-  line = one_error_line(capsys.readouterr().err)
-  assert stop.value.code == 1
+  assert not (tmp_path / "c").exists()
+  return stop.value.code, one_error_line(capsys.readouterr().err)
+
+
+def test_a_trainer_out_of_memory_is_one_line_naming_the_flags(tmp_path, monkeypatch, capsys, out_of_memory):
+  code, line = trainer_stopped_by(out_of_memory, tmp_path, monkeypatch, capsys)
+  assert code == 1
   assert line.startswith("error: out of memory on ") and "128 TiB asked" in line, line
   assert line.endswith("lower --batch-size, --seq-len or --vocab-size (--attn naive builds the (B, N, T, T) "
                        "attention scores; --attn auto, cudnn or te do not)"), line
-  assert not (tmp_path / "c").exists()  # the folder the run made, empty, is gone
 
 
 @pytest.mark.slow
@@ -123,15 +129,11 @@ def test_an_xla_failure_other_than_memory_is_one_line(tmp_path, monkeypatch, cap
   assert device.xla_failure(CUDNN_FAILURE) == (f"XLA failed on {device.current().describe()}: INTERNAL: cuDNN graph "
                                                "failed to build: CUDNN_STATUS_NOT_SUPPORTED")
 
+  code, line = trainer_stopped_by(CUDNN_FAILURE, tmp_path, monkeypatch, capsys)
+  assert code == 1 and "CUDNN_STATUS_NOT_SUPPORTED" in line and "--attn xla runs it" in line, line
+
   def fail(*args, **kwargs):
     raise CUDNN_FAILURE
-  monkeypatch.setattr(loop, "_train", fail)
-  with pytest.raises(SystemExit) as stop:
-    cli.main([*TINY, "--steps", "2", "--attn", "naive", "--ckpt-dir", str(tmp_path / "c")])
-  line = one_error_line(capsys.readouterr().err)
-  assert stop.value.code == 1 and "CUDNN_STATUS_NOT_SUPPORTED" in line and "--attn xla runs it" in line, line
-  assert not (tmp_path / "c").exists()  # the folder the run made, empty, is gone
-
   monkeypatch.setattr(sample_cli, "run", fail)
   with pytest.raises(SystemExit) as stop:
     sample_cli.main([])
