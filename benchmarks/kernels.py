@@ -153,7 +153,7 @@ def main(argv=None) -> None:
   p.add_argument("--xla-options", default="decode", choices=list(XLA_OPTIONS))
   p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
   p.add_argument("--top-k", type=int, default=None)
-  p.add_argument("--out", default="runs/kernels")
+  p.add_argument("--out", default="runs/benchmarks", help="folder for kernels.json and kernels.md")
   a = p.parse_args(argv)
   common.check_out(p, a.out)
   try:

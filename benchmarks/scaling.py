@@ -2,8 +2,9 @@
 8, 64 and 512 devices, data parallel (DP), fully sharded (FSDP) and fully sharded with tensor parallelism
 (FSDP+TP), and its check against the step XLA compiles for 8 CPU devices (benchmarks.scaling_check).
 
-Writes scaling.json and scaling.md to --out (default benchmarks/results/cpu-8) and prints their tables;
-docs/scaling.md quotes them. Runs on a CPU: nothing is allocated, the check compiles from abstract arrays.
+Writes scaling.json and scaling.md to --out (default runs/benchmarks; the published ones are in
+benchmarks/results/cpu-8) and prints their tables; docs/scaling.md quotes them. Runs on a CPU: nothing is
+allocated, the check compiles from abstract arrays.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ MEMORY_COLS = ["preset", "devices", "layout", "mesh", "params_gib", "grads_gib",
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.split("\n\n")[0])
-  p.add_argument("--out", default="benchmarks/results/cpu-8", help="folder for scaling.json and scaling.md")
+  p.add_argument("--out", default="runs/benchmarks",
+                 help="folder for scaling.json and scaling.md (published: benchmarks/results/cpu-8, "
+                      "written only when named here)")
   p.add_argument("--no-check", action="store_true", help="the model's tables only: skip compiling on 8 CPU devices")
   a = p.parse_args(argv)
   common.check_out(p, a.out)

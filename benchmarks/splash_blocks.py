@@ -78,7 +78,9 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(prog="python -m benchmarks.splash_blocks", description=__doc__.split("\n\n")[0])
-  p.add_argument("--out", default="benchmarks/results/tpu-v5e", help="folder for splash_blocks.json and .md")
+  p.add_argument("--out", default="runs/benchmarks",
+                 help="folder for splash_blocks.json and .md (published: benchmarks/results/tpu-v5e, "
+                      "written only when named here)")
   p.add_argument("--calls", type=int, default=10, help="timed calls per row")
   a = p.parse_args(argv)
   common.check_out(p, a.out)

@@ -817,3 +817,20 @@ def test_without_matplotlib_a_benchmark_says_which_extra_in_one_line():
   assert proc.returncode == 2, proc.stderr[-1500:]
   assert proc.stderr.strip() == ("error: the benchmarks write plots with matplotlib, which is not installed: "
                                  "pip install 'attnlayers[bench]'"), proc.stderr[-1500:]
+
+
+def test_no_benchmark_writes_the_published_results_unless_named():
+  """Every benchmark's --out defaults outside benchmarks/results: a plain run (or a partial one, such as
+  `benchmarks.scaling --no-check`) never replaces a published file."""
+  import ast
+  import pathlib
+  defaults = {}
+  for path in sorted(pathlib.Path(ROOT, "benchmarks").glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args
+          and isinstance(node.args[0], ast.Constant) and node.args[0].value == "--out"):
+        kw = {k.arg: k.value for k in node.keywords}
+        defaults[path.name] = ast.literal_eval(kw["default"]) if "default" in kw else None
+  assert {"layer.py", "decode.py", "scaling.py", "splash_blocks.py", "kernels.py"} <= defaults.keys(), defaults
+  published = {name: d for name, d in defaults.items() if d is not None and d.startswith("benchmarks/results")}
+  assert not published, published
