@@ -35,6 +35,7 @@ from jaxtyping import Array, Float, Int
 from attnlayers import projection
 from attnlayers.fp8 import FP8Recipe, use_fp8_dense
 from attnlayers.nnx import MultiHeadAttention
+from models import fused_decode
 from models.config import GPTConfig
 from models.ops.bias_gelu import bias_gelu, gelu_of_gemm
 from models.ops.layernorm import residual_norm
@@ -81,6 +82,7 @@ class Block(nnx.Module):
     if recipe is not None:  # the MLP's two GEMMs (two thirds of the block's matmul FLOPs) in FP8 too
       use_fp8_dense(self.fc, recipe)
       use_fp8_dense(self.proj, recipe)
+    self.fp8 = recipe is not None
     self.gelu_in_gemm = recipe is None and not cfg.bias  # GELU in the fc GEMM's epilogue (models.ops.bias_gelu)
     self.dropout = nnx.Dropout(cfg.dropout)
 
@@ -89,6 +91,8 @@ class Block(nnx.Module):
                segment_ids: Int[Array, "B T"] | None = None) -> tuple[Float[Array, "B T D"], Float[Array, "B T D"]]:
     """The residual stream in and out as a pair whose sum it is, (x, y) (y None: x alone), so that each
     LayerNorm adds the pair in its own pass: returns (x + y + attention, the MLP's output)."""
+    if decode and (kernel := fused_decode.fusable(self, x, lengths=lengths, rngs=rngs)):
+      return fused_decode.step(self, x, y, kernel)  # one token per row: few kernels (models.fused_decode)
     drop = lambda a: self.dropout(a, deterministic=rngs is None, rngs=rngs)
     x, h = residual_norm(self.ln1, x, y, kernel=self.kernels)  # x + y, and its LayerNorm
     packed = {} if segment_ids is None or self.max_segments is None else {"max_segments": self.max_segments}
