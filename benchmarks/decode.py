@@ -199,7 +199,7 @@ def _measure(model, p: Point, s: dict, prompt_len: int, cache_len: int) -> dict:
           "decode_p10_ms_per_step": td.p10_ms / steps, "decode_p90_ms_per_step": td.p90_ms / steps,
           "tokens_per_s": B / (step_ms * 1e-3), "param_bytes": params, "bytes_per_step": per_step,
           "gb_per_s": gbps, "calls": td.calls, "compile_s": decoder.compile_s, "kernels_per_step": kernels,
-          "command_buffers": graphs}
+          "command_buffers": graphs, "decode_step": decoder.decode_step_ran()}
 
 
 def kernels_per_step(call, steps: int) -> float | None:

@@ -30,7 +30,7 @@ BYTES_NOTE = ("Bytes moved per decode step = the parameters as the decoder holds
               "whole cache, 2·n_layer·B·cache_len·K·H·itemsize. B is the batch asked for; on a GPU a batch of 1 "
               "runs as `decode_min_rows` rows (models.generate.MIN_GPU_ROWS), whose extra traffic is not counted.")
 COLUMNS = ["K", "backend", "xla_options", "batch", "context", "kv_cache_mib", "decode_ms_per_step", "tokens_per_s",
-           "gb_per_s", "frac_copy_bw", "kernels_per_step", "prefill_ms", "model"]
+           "gb_per_s", "frac_copy_bw", "kernels_per_step", "decode_step", "prefill_ms", "model"]
 KERNELS_NOTE = ("`kernels_per_step`: the GPU kernels and device copies of the decode program (module jit__decode) "
                 "in a profiler trace of one more call, over its steps (the loop's condition included); empty for "
                 "programs compiled with command buffers, whose trace shows each CUDA graph as one launch. "

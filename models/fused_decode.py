@@ -39,6 +39,21 @@ def fusable(block, x: Float[Array, "B T D"], *, lengths, rngs) -> str:
   return kernel if kernel in ("pallas", "interpret") else ""
 
 
+def planned(cfg) -> str:
+  """What a decode step of one token per row runs under `cfg` on the current device: "fused (pallas)" (or
+  "fused (interpret)"), or "general: " and why; the same conditions as `fusable` for a decode call without
+  lengths= or dropout, as models.generate.Decoder makes them."""
+  head_dim = cfg.d_model // cfg.n_head
+  kernel, why = ops.resolve(cfg.kernels)
+  if kernel not in ("pallas", "interpret"):
+    return f"general: the model's kernels are {kernel}, {why}"
+  if cfg.backend == "te-fp8":
+    return "general: te-fp8 runs the projections as FP8 GEMMs"
+  if reason := norm_gemm.fits(head_dim):
+    return f"general: {reason}"
+  return f"fused ({kernel})"
+
+
 def step(block, x: Float[Array, "B 1 D"], y: Float[Array, "B 1 D"] | None, kernel: str):
   """(s', y') of `block` for one token per row (module docstring), its cache written and advanced."""
   attn = block.attn

@@ -25,7 +25,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import attnlayers
-from models import compiler, plans
+from models import compiler, fused_decode, plans
 from models.config import is_integer
 from models.gpt import GPT
 
@@ -340,6 +340,10 @@ class Decoder:
   def attention_ran(self) -> str:
     """The kernels of attention_plans: "prefill cudnn, decode xla"; layers whose windows differ: "cudnn/xla"."""
     return ", ".join(f"{name} {plans.ran(p)}" for name, p in self.attention_plans().items())
+
+  def decode_step_ran(self) -> str:
+    """What each block runs in a decode step: models.fused_decode.planned ("fused (pallas)", or why not)."""
+    return fused_decode.planned(self.cfg)
 
   def init_state(self) -> dict:
     """The parameters, an empty cache for (batch, cache_len) and the sampling's random key."""

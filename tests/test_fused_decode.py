@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from models import fused_decode
-from models.generate import generate
+from models.generate import Decoder, generate
 from models.ops import gelu, norm_gemm
 from tests import reference
 from tests.test_generate import GREEDY, PROMPTS, config, forward, greedy_by_recomputation, model
@@ -165,3 +165,15 @@ def test_a_float32_model_decodes_on_the_fused_step_by_default_only_where_the_ker
   """kernels="auto" resolves to XLA's fusions on this CPU: the general path; "interpret" asks for the kernels."""
   m = models_with_cache(dataclasses.replace(_fused_config(2), kernels="auto"))
   assert fused_decode.fusable(m.blocks[0], jnp.zeros((3, 1, 64)), lengths=None, rngs=None) == ""
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ({}, "fused (interpret)"),
+    ({"kernels": "xla"}, "general: the model's kernels are xla"),
+    ({"d_model": 32}, "general: head_dim 8 is not a multiple of 16"),
+])
+def test_the_decoder_says_which_step_its_blocks_run(overrides, want):
+  m = model(_fused_config(2, **overrides))
+  decoder = Decoder(m, batch=2, cache_len=32, prompt_len=8, sampling=GREEDY)
+  assert decoder.decode_step_ran().startswith(want)
+  assert fused_decode.planned(m.cfg) == decoder.decode_step_ran()
