@@ -64,6 +64,7 @@ def step(block, x: Float[Array, "B 1 D"], y: Float[Array, "B 1 D"] | None, kerne
   weights = tuple(p.kernel[...].astype(dt).reshape(D, -1) for p in projs)  # (D, N H), (D, K H), (D, K H)
   biases = tuple(_bias(p, dt).reshape(-1) for p in projs)
   index = attn.cache_index[...]  # (B,) each row's position for its token
+  kv_cache.check_room(index, jnp.ones_like(index), attn.cached_key.shape[1])  # known positions: as append checks
   s, q, k, v = norm_gemm.norm_qkv(rows(x), rows(y), *_norm(block.ln1, dt), weights, biases, attn.cached_key[...],
                                   attn.cached_value[...], index, eps=block.ln1.epsilon, interpret=interpret)
   ends = index + 1

@@ -105,10 +105,10 @@ def test_greedy_on_the_fused_step_equals_recomputation(n_kv_head, monkeypatch):
   assert len(steps) == m.cfg.n_layer  # each block traced once, in the decode loop, on the fused step
 
 
-def _decode_step(m, prompts, lengths, L):
+def _decode_step(m, prompts, lengths, L, cache_dtype=None):
   """The logits (B, V), caches and positions of one decode step of one token per row after a prefill."""
   m = nnx.clone(m)
-  m.init_cache(len(prompts), L)
+  m.init_cache(len(prompts), L, dtype=cache_dtype)
   graphdef, state = nnx.split(m)
   prefill = jax.jit(lambda st, t, n: nnx.state((mm := nnx.merge(graphdef, st), mm(t, decode=True, lengths=n))[0]))
   state = prefill(state, prompts, lengths)
@@ -116,32 +116,64 @@ def _decode_step(m, prompts, lengths, L):
   return step(state, prompts[:, :1])
 
 
-def test_the_fused_step_computes_the_general_step(monkeypatch):
-  """The same parameters on both paths: logits, the caches and their positions; the last row starts at the cache's
-  end, so on both its logits are NaN, its position stays and its cache is unchanged."""
+def compare_steps(monkeypatch, kernel: str, *, rows: int = 3, cache_dtype=None, **overrides):
+  """One decode step after a prefill on the fused step (kernels=`kernel`) and on the general path (kernels="xla"),
+  the same parameters: the fused step ran in each block; logits (within the dtype's tolerance of their largest),
+  caches and positions agree. Every third row starts at the cache's end: on both its logits are NaN and its
+  position stays."""
   steps = []
   monkeypatch.setattr(fused_decode, "step", lambda *a, step=fused_decode.step: steps.append(a[3]) or step(*a))
   L = 8
-  prompts = jnp.array([[3, 1, 4, 1, 5, 9, 2, 6]] * 3, jnp.int32)
-  lengths = jnp.array([2, 7, 8], jnp.int32)
-  m = model(_fused_config(2, seq_len=L))
-  general = nnx.merge(*nnx.split(model(_fused_config(2, kernels="xla", seq_len=L))))
+  prompts = jnp.tile(jnp.array([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32), (rows, 1))
+  lengths = jnp.array([2, 7, 8] * (rows // 3) + [5] * (rows % 3), jnp.int32)
+  cfg = {"seq_len": L} | overrides
+  m = model(_fused_config(2, kernels=kernel, **cfg))
+  general = model(_fused_config(2, kernels="xla", **cfg))
   nnx.update(general, nnx.state(m, nnx.Param))
-  got, got_cache = _decode_step(m, prompts, lengths, L)
-  assert steps == ["interpret"] * m.cfg.n_layer  # the decode step's blocks (the prefill's take the general path)
-  want, want_cache = _decode_step(general, prompts, lengths, L)
+  got, got_cache = _decode_step(m, prompts, lengths, L, cache_dtype)
+  assert steps == [kernel] * m.cfg.n_layer  # the decode step's blocks (the prefill's take the general path)
+  want, want_cache = _decode_step(general, prompts, lengths, L, cache_dtype)
   assert len(steps) == m.cfg.n_layer
-  assert np.isnan(np.asarray(got[2])).all() and np.isnan(np.asarray(want[2])).all()
-  reference.assert_close(got[:2], want[:2], jnp.float32, "out", "logits")
+  dtype = jnp.dtype(m.cfg.dtype)
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  past = np.asarray(lengths) == L
+  assert np.isnan(got[past]).all() and np.isnan(want[past]).all()
+  # two orders of summation and rounding, each within the dtype's relative tolerance of the largest value
+  close = lambda a, b, what: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0,
+                                                        atol=reference.tolerance(dtype)["rtol"] * np.abs(b).max(),
+                                                        err_msg=what)
+  close(got[~past], want[~past], "logits")
   flat = lambda st: {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_leaves_with_path(st)}
   got_cache, want_cache = flat(got_cache), flat(want_cache)
   assert set(got_cache) == set(want_cache)
   for name, a in want_cache.items():
     if name.endswith("['cache_index']"):
       np.testing.assert_array_equal(got_cache[name], a, name)
-      np.testing.assert_array_equal(a, [3, 8, 8], name)
+      np.testing.assert_array_equal(a, np.where(past, L, np.asarray(lengths) + 1), name)
     else:
-      reference.assert_close(got_cache[name], a, jnp.float32, "out", name)
+      assert got_cache[name].dtype == a.dtype, name
+      close(got_cache[name], np.asarray(a, np.float32), name)
+      values = np.asarray(got_cache[name], np.float32)  # projected in the compute dtype: each value one of its
+      np.testing.assert_array_equal(values, np.asarray(values.astype(dtype), np.float32), name)
+
+
+@pytest.mark.parametrize("case", ["float32", "no bias", "window 3", "20 rows", "bfloat16", "bfloat16, float32 cache"])
+def test_the_fused_step_computes_the_general_step(case, monkeypatch):
+  """20 rows: two blocks of rows, the second partly masked. The float32 cache of a bfloat16 model holds keys and
+  values rounded to bfloat16 on both paths (they are projected in the compute dtype)."""
+  kw = {"no bias": dict(bias=False), "window 3": dict(window=3), "20 rows": dict(rows=20),
+        "bfloat16": dict(dtype="bfloat16"), "bfloat16, float32 cache": dict(dtype="bfloat16", cache_dtype=jnp.float32),
+        }.get(case, {})
+  compare_steps(monkeypatch, "interpret", **kw)
+
+
+def test_decoding_past_the_cache_is_the_general_paths_clear_error():
+  m = model(_fused_config(2, seq_len=8))
+  m.init_cache(2, 4)
+  for block in m.blocks:
+    block.attn.cache_index[...] = jnp.array([1, 4], jnp.int32)
+  with pytest.raises(ValueError, match=r"decoding past the KV cache: row 1 at position 4 adds 1 token"):
+    m.blocks[0](jnp.zeros((2, 1, 64)), decode=True)
 
 
 @pytest.mark.parametrize("case", ["two tokens", "lengths", "head dim 8", "xla kernels", "dropout"])

@@ -8,14 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import models
 from benchmarks import kernels as count
 from models import fused_decode, generate
 from models.ops import gelu, norm_gemm
 from tests import cases, reference
-from tests.test_fused_decode import _decode_step, _fused_config, _norm64
+from tests.test_fused_decode import _fused_config, _norm64, compare_steps
 from tests.test_generate import GREEDY, PROMPTS, forward, greedy_by_recomputation, model
 
 pytestmark = pytest.mark.gpu
@@ -80,23 +79,10 @@ def test_greedy_on_the_compiled_fused_step_equals_recomputation(n_kv_head, monke
 
 
 @pytest.mark.parametrize("backend", [pytest.param("cudnn"), pytest.param("te", marks=cases.needs_te)])
-def test_the_compiled_fused_step_computes_the_general_step(backend):
-  """bfloat16, the same parameters on both paths (Pallas kernels against XLA's fusions): logits within
-  bfloat16's tolerance of their largest value; the row at the cache's end NaN on both and its position kept."""
-  cfg = dict(backend=backend, dtype="bfloat16", seq_len=8)
-  m = model(_fused_config(2, kernels="pallas", **cfg))
-  general = model(_fused_config(2, kernels="xla", **cfg))
-  nnx.update(general, nnx.state(m, nnx.Param))
-  prompts, lengths = jnp.array([[3, 1, 4, 1, 5, 9, 2, 6]] * 3, jnp.int32), jnp.array([2, 7, 8], jnp.int32)
-  (got, got_cache), (want, want_cache) = (_decode_step(x, prompts, lengths, 8) for x in (m, general))
-  assert np.isnan(np.asarray(got[2], np.float32)).all() and np.isnan(np.asarray(want[2], np.float32)).all()
-  got, want = np.asarray(got[:2], np.float32), np.asarray(want[:2], np.float32)
-  atol = reference.tolerance(jnp.bfloat16)["rtol"] * np.abs(want).max()
-  np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg="logits")
-  index = lambda st: [np.asarray(a) for p, a in jax.tree_util.tree_leaves_with_path(st) if "cache_index" in str(p)]
-  for a, b in zip(index(got_cache), index(want_cache)):
-    np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(a, [3, 8, 8])
+def test_the_compiled_fused_step_computes_the_general_step(backend, monkeypatch):
+  """bfloat16, the same parameters on both paths (Pallas kernels against XLA's fusions): tests/test_fused_decode's
+  compare_steps, 20 rows (two blocks of rows)."""
+  compare_steps(monkeypatch, "pallas", rows=20, backend=backend, dtype="bfloat16")
 
 
 def loop_body(hlo: str) -> list[str]:

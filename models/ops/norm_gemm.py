@@ -5,7 +5,8 @@ L cache positions, K key/value heads, H head dim.
 
 s = x + y (rounded to x's dtype: the residual stream) and h = LayerNorm(s) (rounded to x's dtype), both as
 models.ops.norm_fwd computes them; then out = h @ w + b with a float32 accumulator and bias, gelu
-(models.ops.gelu) where asked, rounded once to x's dtype. `norm_qkv` does this for the attention's three
+(models.ops.gelu) where asked, rounded once to x's dtype. In float32 the GEMM runs at full float32 precision
+(IEEE products, not TF32), whatever jax's default matmul precision says. `norm_qkv` does this for the attention's three
 projections at once and writes each row's new key and value into the KV cache at the row's position, in
 place (the cache buffers are the kernel's outputs too), instead of handing them back.
 
@@ -220,5 +221,6 @@ def _qkv_kernel(*refs, D: int, bn: int, eps: float, tiles: tuple, H: int, add: b
       out = gemm(w_ref, b_ref, c0=c0)
       head, d0 = c0 // H, c0 % H
       feature = d0 + jnp.arange(bn)[None, :]  # (1, bn); every index an array, as the interpreter takes them
-      plgpu.store(cache_ref.at[row[:, None], pos[:, None], head, feature], out.astype(cache_ref.dtype),
+      value = out.astype(x_ref.dtype).astype(cache_ref.dtype)  # rounded to the compute dtype, as projected
+      plgpu.store(cache_ref.at[row[:, None], pos[:, None], head, feature], value,
                   mask=write[:, None] & (feature < H))
