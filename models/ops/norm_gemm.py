@@ -133,17 +133,23 @@ def _check(x, y, scale, shift) -> tuple[int, int]:
 
 
 def _stats(x_ref, y_ref, s_ref, r0, *, D: int, eps: float, write):
-  """Rows r0 + [0, BM): their mean and rstd, float32 (BM,); s = x + y written where `write` (one program of
-  the row block writes it)."""
-  lanes = tiling.lanes(D)
-  s, both = tiling.load(x_ref, r0, 0, BM, lanes)
-  if y_ref is not None:
-    s = s + tiling.load(y_ref, r0, 0, BM, lanes)[0]
-  s = s.astype(s_ref.dtype)  # the stream, rounded to its dtype
-  plgpu.store(s_ref.at[pl.ds(r0, BM), pl.ds(0, lanes)], s, mask=both & write)
-  s = s.astype(jnp.float32)
-  mean = jnp.sum(s, axis=1) / D
-  var = jnp.maximum(jnp.sum(s * s, axis=1) / D - mean * mean, 0.0)
+  """Rows r0 + [0, BM): their mean and rstd, float32 (BM,), summed over D in chunks of BK (a few rows' registers
+  whatever D); s = x + y written where `write` (one program of the row block writes it)."""
+
+  def step(k, sums):
+    k0 = k * BK
+    s, inside = tiling.load(x_ref, r0, k0, BM, BK)
+    if y_ref is not None:
+      s = s + tiling.load(y_ref, r0, k0, BM, BK)[0]
+    s = s.astype(s_ref.dtype)  # the stream, rounded to its dtype
+    plgpu.store(s_ref.at[pl.ds(r0, BM), pl.ds(k0, BK)], s, mask=inside & write)
+    s = s.astype(jnp.float32)
+    return sums[0] + jnp.sum(s, axis=1), sums[1] + jnp.sum(s * s, axis=1)
+
+  zero = jnp.zeros((BM,), jnp.float32)
+  total, squares = jax.lax.fori_loop(0, pl.cdiv(D, BK), step, (zero, zero))
+  mean = total / D
+  var = jnp.maximum(squares / D - mean * mean, 0.0)
   return mean, jax.lax.rsqrt(var + eps)
 
 
