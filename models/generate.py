@@ -398,6 +398,7 @@ class Generation:
   decode_tokens_per_s: float  # new tokens from the decode loop per second of it (nan: no decode step)
   compile_s: float  # compiling prefill and decode (0 when this shape was compiled before)
   attention: str  # the kernels the attention calls ran on: Decoder.attention_ran
+  decode_step: str  # what each block ran a decode step on: Decoder.decode_step_ran
 
 
 def generate(model: GPT, prompts, *, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -428,7 +429,7 @@ def generate(model: GPT, prompts, *, max_new_tokens: int, sampling: Sampling = S
   tokens, n_new = np.asarray(tokens), np.asarray(n_new)
   out = [np.concatenate([first[b:b + 1], tokens[b, :n_new[b]]]) for b in range(len(rows))]
   rate = float(n_new.sum()) / decode_s if max_new_tokens > 1 else float("nan")
-  return Generation(out, ttft, rate, decoder.compile_s, decoder.attention_ran())
+  return Generation(out, ttft, rate, decoder.compile_s, decoder.attention_ran(), decoder.decode_step_ran())
 
 
 def _prompt_rows(prompts, cfg, max_new_tokens: int) -> list[np.ndarray]:

@@ -223,7 +223,7 @@ def run(a) -> None:
   rate = f"{gen.decode_tokens_per_s:,.0f} tokens/s" if math.isfinite(gen.decode_tokens_per_s) else "no decode step"
   print(f"---\ntime to first token: {gen.time_to_first_token_s * 1e3:.1f} ms; decode: {rate} "
         f"({a.batch} x {new} new tokens; compile {gen.compile_s:.1f} s and a first run, not counted); "
-        f"attention {a.attn} ran on: {gen.attention}")
+        f"attention {a.attn} ran on: {gen.attention}; a decode step's blocks: {gen.decode_step}")
 
 
 def _greedy_ignores(a) -> list[str]:

@@ -85,7 +85,9 @@ def test_sample_prints_text_time_to_first_token_and_rate(trained, capsys):
   assert header.endswith("attention auto"), header
   assert text.startswith("def ")
   assert "time to first token: " in out and " ms; decode: " in out and " tokens/s " in out
-  assert out.rstrip().endswith("attention auto ran on: prefill xla, decode xla"), out  # what auto chose on a CPU
+  assert out.rstrip().endswith("attention auto ran on: prefill xla, decode xla; a decode step's blocks: general: the "
+                               "model's kernels are xla, XLA fusions (the Pallas kernels need a GPU (Pallas's Triton "
+                               "backend, CUDA); the device is cpu)"), out  # what auto chose on a CPU
   assert snapshot(run) == before  # nothing written, renamed or locked in the trainer's folder
 
 
