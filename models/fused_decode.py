@@ -28,30 +28,34 @@ from models.ops import norm_gemm
 
 def fusable(block, x: Float[Array, "B T D"], *, lengths, rngs) -> str:
   """The kernel the fused step runs on ("pallas" or "interpret"), or "" where `block` takes its general path:
-  a step of more than one token, lengths=, dropout (rngs), kernels that resolve to XLA's fusions, FP8
-  (te-fp8), normalised q/k, a cache with one shared position (Flax's layout), or heads norm_qkv cannot write."""
+  a step of more than one token, lengths=, dropout (rngs), normalised q/k, a cache with one shared position
+  (Flax's layout), or what `_general` names."""
   attn = block.attn
-  if x.shape[1] != 1 or lengths is not None or rngs is not None or block.fp8 or attn.normalize_qk:
+  if x.shape[1] != 1 or lengths is not None or rngs is not None or attn.normalize_qk:
     return ""
-  if attn.cache_index is None or attn.cache_index.ndim != 1 or norm_gemm.fits(attn.head_dim):
+  if attn.cache_index is None or attn.cache_index.ndim != 1:
     return ""
-  kernel = ops.resolve(block.kernels, x)[0]
-  return kernel if kernel in ("pallas", "interpret") else ""
+  kernel, why = ops.resolve(block.kernels, x)
+  return "" if _general(kernel, why, fp8=block.fp8, head_dim=attn.head_dim) else kernel
 
 
 def planned(cfg) -> str:
   """What a decode step of one token per row runs under `cfg` on the current device: "fused (pallas)" (or
-  "fused (interpret)"), or "general: " and why; the same conditions as `fusable` for a decode call without
-  lengths= or dropout, as models.generate.Decoder makes them."""
-  head_dim = cfg.d_model // cfg.n_head
+  "fused (interpret)"), or "general: " and why; `fusable`'s answer for a decode call without lengths= or
+  dropout, as models.generate.Decoder makes them."""
   kernel, why = ops.resolve(cfg.kernels)
+  reason = _general(kernel, why, fp8=cfg.backend == "te-fp8", head_dim=cfg.d_model // cfg.n_head)
+  return f"general: {reason}" if reason else f"fused ({kernel})"
+
+
+def _general(kernel: str, why: str, *, fp8: bool, head_dim: int) -> str:
+  """Why a model's decode step takes the general path ("" where it can fuse): kernels that resolve to XLA's
+  fusions, FP8 projections (te-fp8), or heads norm_qkv cannot write."""
   if kernel not in ("pallas", "interpret"):
-    return f"general: the model's kernels are {kernel}, {why}"
-  if cfg.backend == "te-fp8":
-    return "general: te-fp8 runs the projections as FP8 GEMMs"
-  if reason := norm_gemm.fits(head_dim):
-    return f"general: {reason}"
-  return f"fused ({kernel})"
+    return f"the model's kernels are {kernel}, {why}"
+  if fp8:
+    return "te-fp8 runs the projections as FP8 GEMMs"
+  return norm_gemm.fits(head_dim)
 
 
 def step(block, x: Float[Array, "B 1 D"], y: Float[Array, "B 1 D"] | None, kernel: str):
