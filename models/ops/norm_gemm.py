@@ -105,7 +105,8 @@ def norm_qkv(x: Float[Array, "M D"], y: Float[Array, "M D"] | None, scale: Float
   if why := fits(H):
     raise ValueError(f"norm_qkv cannot write these heads: {why}")
   bn = block_n(M, max(widths), H)
-  first = 10 if y is None else 11  # the caches' place among the inputs, after x (and y)
+  inputs = (*_pair(x, y), scale, shift, *weights, *biases, index.astype(jnp.int32), cached_key, cached_value)
+  first = len(inputs) - 2  # the caches' place among the inputs: the last two
   tiles = tuple(pl.cdiv(n, bn) for n in widths)  # programs along each projection's features
   s, q, k, v = pl.pallas_call(
       functools.partial(_qkv_kernel, D=D, bn=bn, eps=float(eps), tiles=tiles, H=H, add=y is not None),
@@ -116,7 +117,7 @@ def norm_qkv(x: Float[Array, "M D"], y: Float[Array, "M D"] | None, scale: Float
       input_output_aliases={first: 2, first + 1: 3},  # the caches are written in place
       compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES),
       interpret=interpret,
-  )(*_pair(x, y), scale, shift, *weights, *biases, index.astype(jnp.int32), cached_key, cached_value)
+  )(*inputs)
   return s, q, k, v
 
 
