@@ -89,8 +89,8 @@ def test_the_kernels_refuse_shapes_they_do_not_take():
     norm_gemm.norm_qkv(x, None, *ln, (w, w, w), (b, b, b), cache[:1], cache[:1], jnp.zeros((2,), jnp.int32), eps=EPS)
 
 
-def _fused_config(n_kv_head, kernels="interpret", **kw):
-  return config("xla", n_kv_head, **{"d_model": 64, "kernels": kernels} | kw)  # head dim 16, as norm_qkv takes
+def _fused_config(n_kv_head, kernels="interpret", backend="xla", **kw):
+  return config(backend, n_kv_head, **{"d_model": 64, "kernels": kernels} | kw)  # head dim 16, as norm_qkv takes
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 1], ids=["MHA", "MQA"])  # GQA: test_the_fused_step_computes_the_general_step
@@ -157,12 +157,15 @@ def compare_steps(monkeypatch, kernel: str, *, rows: int = 3, cache_dtype=None, 
       np.testing.assert_array_equal(values, np.asarray(values.astype(dtype), np.float32), name)
 
 
-@pytest.mark.parametrize("case", ["float32", "no bias, window 3, 20 rows", "bfloat16, float32 cache"])
+@pytest.mark.parametrize("case", ["float32", "no bias, window 3, 20 rows", "bfloat16, float32 cache",
+                                  "bfloat16, naive backend"])
 def test_the_fused_step_computes_the_general_step(case, monkeypatch):
   """20 rows: two blocks of rows, the second partly masked. The float32 cache of a bfloat16 model holds keys and
-  values rounded to bfloat16 on both paths (they are projected in the compute dtype)."""
+  values rounded to bfloat16 on both paths (they are projected in the compute dtype). The naive backend's case
+  names the attention backend as the GPU tests name cudnn and te."""
   kw = {"no bias, window 3, 20 rows": dict(bias=False, window=3, rows=20),
-        "bfloat16, float32 cache": dict(dtype="bfloat16", cache_dtype=jnp.float32)}.get(case, {})
+        "bfloat16, float32 cache": dict(dtype="bfloat16", cache_dtype=jnp.float32),
+        "bfloat16, naive backend": dict(dtype="bfloat16", backend="naive")}.get(case, {})
   compare_steps(monkeypatch, "interpret", **kw)
 
 
