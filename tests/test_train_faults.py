@@ -45,9 +45,12 @@ def losses(path) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def popen(args: list[str]) -> subprocess.Popen:
+def popen(args: list[str], *, cpu: bool = True) -> subprocess.Popen:
+  """`python args` from the repository root; on one CPU device where `cpu`, else where jax finds a device."""
   # os.environ carries tests/conftest.py's compilation cache to the child
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  if cpu:
+    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
   # A child inherits an ignored SIGINT (a test runner started in the background has one), but
   # not a handler: with one installed here, the child gets SIGINT as a terminal would send it.
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -58,8 +61,8 @@ def popen(args: list[str]) -> subprocess.Popen:
     signal.signal(signal.SIGINT, previous)
 
 
-def train_cli(args: list[str]) -> tuple[int, str, str]:
-  proc = popen(["-m", "train", *args])
+def train_cli(args: list[str], *, cpu: bool = True) -> tuple[int, str, str]:
+  proc = popen(["-m", "train", *args], cpu=cpu)
   out, err = proc.communicate(timeout=600)
   return proc.returncode, out, err
 
