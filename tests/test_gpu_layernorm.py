@@ -11,8 +11,8 @@ import pytest
 
 from models import ops
 from models.ops.layernorm import residual_norm
-from tests import reference
-from tests.test_layernorm import DTYPES, _inputs, _ln, _oracle, _vjp, test_model_loss_and_gradients_on_both_kernels
+from tests import reference, test_layernorm
+from tests.test_layernorm import DTYPES, _inputs, _ln, _oracle, _vjp
 
 pytestmark = pytest.mark.gpu
 TRITON = re.compile(r'custom_call_target="__gpu\$xla\.gpu\.triton"')
@@ -65,4 +65,4 @@ def test_auto_is_pallas_and_the_kernel_ran():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_float32_model_on_both_kernels(bias):
-  test_model_loss_and_gradients_on_both_kernels(("xla", "pallas"), backend="xla", bias=bias)
+  test_layernorm.test_model_loss_and_gradients_on_both_kernels(("xla", "pallas"), backend="xla", bias=bias)
