@@ -30,6 +30,13 @@ class Timing:
   calls: int
 
 
+def reason(e: BaseException, width: int = 300) -> str:
+  """A failed point's reason: the error's type and the first line of its message (its type alone where the
+  message is empty), at most `width` characters of message."""
+  first = next(iter(str(e).splitlines()), "")
+  return f"{type(e).__name__}: {first[:width]}" if first else type(e).__name__
+
+
 def refuse_unless_runnable(plans: dict, why: str) -> None:
   """Exits with code 2 and one line where a kernel a benchmark would time cannot run here.
 

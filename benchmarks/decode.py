@@ -159,7 +159,7 @@ def run_point(p: Point, built: "_Models", s: dict, limit: int | None) -> dict:
   try:
     return row | _measure(built.get(p), p, s, prompt_len, cache_len)
   except Exception as e:  # noqa: BLE001 - a failing point is a row with its message
-    return row | {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return row | {"status": "error", "reason": common.reason(e)}
 
 
 def _measure(model, p: Point, s: dict, prompt_len: int, cache_len: int) -> dict:

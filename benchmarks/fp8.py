@@ -142,7 +142,7 @@ def measure(programs, matmul, calls, warmup, copy_gbps) -> list[dict]:
     try:
       t = common.time_fn(jax.jit(fn), *args, warmup=warmup, calls=calls)
     except Exception as e:  # noqa: BLE001 - a failing program is a row with its message
-      rows.append(row | {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+      rows.append(row | {"status": "error", "reason": common.reason(e)})
       continue
     # None: memory-bound work, no FLOPs counted; a rate above the peak raises
     tflops = flops.check_rate(name.strip(), count, t.median_ms * 1e-3, peak, peak_name) / 1e12 if count else None

@@ -191,7 +191,7 @@ def run_case(c: Case, matmul: float, calls: int, warmup: int, reference=None) ->
       out = jitted(*args).astype(jnp.float32)
       row["max_abs_diff_vs_naive_f32"] = float(jnp.abs(out - reference).max())
   except Exception as e:  # noqa: BLE001 - a failing case is a row with its message
-    return row | {"status": "error", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return row | {"status": "error", "reason": common.reason(e)}
   peak, peak_name = common.dense_peak(c.peak_kind)
   tflops = flops.check_rate(f"{c}", c.flops(), t.median_ms * 1e-3, peak, peak_name) / 1e12  # raises above peak
   memory = mem and mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes

@@ -59,7 +59,7 @@ def rows(calls: int) -> list[dict]:
         row |= {"splash_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms, "vs_xla": base.median_ms /
                 t.median_ms, "max_dq_diff_vs_xla": err}
       except Exception as e:  # noqa: BLE001 - a block the kernel cannot compile is a row with its error
-        row["error"] = str(e).splitlines()[0][:160]
+        row["error"] = common.reason(e, 160)
       out.append(row)
       print(json.dumps(row), flush=True)
   return out

@@ -425,6 +425,17 @@ def test_decode_budget_stops_cleanly_and_still_writes_every_file(tmp_path):
 
 
 
+def test_a_point_failing_without_a_message_is_an_error_row_and_every_file_is_written(tmp_path, monkeypatch):
+  def fail(*_):
+    raise AssertionError  # no message: the row's reason is the error's type
+  monkeypatch.setattr(decode, "_measure", fail)
+  decode.main(["--quick", "--backends", "xla", "--batches", "1", "--contexts", "32", "--out", str(tmp_path)])
+  rows = json.load(open(tmp_path / "decode.json"))["rows"]
+  assert rows and all(r["status"] == "error" and r["reason"] == "AssertionError" for r in rows)
+  assert (tmp_path / "decode.csv").exists() and (tmp_path / "decode.md").exists()
+  assert common.reason(ValueError("first line\nsecond"), 5) == "ValueError: first"
+
+
 def test_clock_samples_parse_and_only_busy_ones_are_summarised():
   from benchmarks import clocks
   lines = ["1590, 1980, 690.5, 700.00, 100, 0x0000000000000004",  # busy, power-capped
