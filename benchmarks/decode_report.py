@@ -180,7 +180,9 @@ def write(out: str, env: dict, rows: list[dict], s: dict) -> list[str]:
   report.write_json(os.path.join(out, "decode.json"), env, rows)
   report.write_csv(os.path.join(out, "decode.csv"), rows)
   ok = [r for r in rows if r["status"] == "ok" and r["section"] == "sweep"]
-  label = lambda r: r | {"dtype": f"K={r['K']}"}  # report.line_plot draws one line per (backend, dtype)
+  several = len({r.get("xla_options") for r in ok}) > 1
+  # report.line_plot draws one line per (backend, dtype): here per K, and per option set where a run compares several
+  label = lambda r: r | {"dtype": f"K={r['K']}" + (f", {r.get('xla_options')}" if several else "")}
   plots = []
   for c in sorted({r["context"] for r in ok}):
     sel = [label(r) for r in ok if r["context"] == c]
