@@ -46,7 +46,7 @@ from flax import nnx
 import attnlayers
 from train import flags
 import models
-from benchmarks import common, decode_report, trace
+from benchmarks import common, decode_report, report, trace
 from models import compiler, generate
 
 FP8_CORE = "fp8-or-bf16"  # te-fp8 points: FP8 core where the call qualifies, else bf16 (as benchmarks.train)
@@ -309,6 +309,7 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
+  report.require_plots()
   start = time.perf_counter()
   s = dict(QUICK if a.quick else FULL)
   s |= {k: v for k, v in vars(a).items() if k in s and v is not None}

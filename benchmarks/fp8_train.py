@@ -67,6 +67,7 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="runs/benchmarks", help="output folder (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
+  report.require_plots()
   try:
     configs = {backend: config(backend, a) for backend in (a.baseline, "te-fp8")}
   except ValueError as e:  # a model the flags describe cannot be built

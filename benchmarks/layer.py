@@ -328,6 +328,7 @@ def main(argv=None) -> None:
                  help="times nothing: writes one report from earlier runs' layer.json (e.g. one per --sections)")
   a = p.parse_args(argv)
   common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
+  report.require_plots()
   timing = {"--quick": a.quick, "--sections": a.sections, "--seqs": a.seqs, "--batches": a.batches,
             "--levels": a.levels, "--calls": a.calls, "--backends": a.backends}
   if a.merge and (given := [flag for flag, v in timing.items() if v]):  # merge times nothing: it would drop them

@@ -6,15 +6,23 @@ import csv
 import json
 import sys
 
-try:
-  import matplotlib
-except ModuleNotFoundError:  # an optional dependency: one line naming the extra that brings it, as a bad flag's
-  print("error: the benchmarks write plots with matplotlib, which is not installed: pip install 'attnlayers[bench]'",
-        file=sys.stderr)
-  raise SystemExit(2) from None
+def require_plots() -> None:
+  """Exits with code 2 and one line naming the extra unless matplotlib is installed. A benchmark that plots calls
+  it once its flags parse (so --help works without the extra) and before it times anything."""
+  try:
+    _pyplot()
+  except ModuleNotFoundError:
+    print("error: the benchmarks write plots with matplotlib, which is not installed: pip install 'attnlayers[bench]'",
+          file=sys.stderr)
+    raise SystemExit(2) from None
 
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
+
+def _pyplot():
+  """matplotlib.pyplot writing files only (no display); imported on first use, an optional dependency."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
 
 
 def _fmt(v) -> str:
@@ -44,6 +52,7 @@ def markdown_table(rows: list[dict], cols: list[str]) -> str:
 
 def line_plot(path: str, rows: list[dict], *, x: str, y: str, title: str, logx: bool = True) -> None:
   """One line per (backend, dtype) over the `ok` rows."""
+  plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.2))
   series: dict[str, list[tuple]] = {}
   for r in rows:
@@ -67,6 +76,7 @@ def line_plot(path: str, rows: list[dict], *, x: str, y: str, title: str, logx: 
 
 def bar_plot(path: str, rows: list[dict], *, y: str, title: str) -> None:
   """One bar per row; unavailable rows show as an empty slot labelled with their status."""
+  plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.2))
   labels = [f"{r['backend']}\n{r['dtype']}" for r in rows]
   values = [r.get(y) if r.get("status") == "ok" else 0.0 for r in rows]

@@ -145,6 +145,7 @@ def main(argv=None) -> None:
   p.add_argument("--out", default="runs/benchmarks", help="folder for train.json, .csv, .md and plots (published results: benchmarks/results/h200, written only when named here)")
   a = p.parse_args(argv)
   common.check_out(p, a.out)  # before any timing: rows that cannot be written are never timed
+  report.require_plots()
   try:  # cheap; each run's trainer checks the rest of --data, as it would alone
     data.check_source(a.data)
   except (FileNotFoundError, ValueError) as e:

@@ -818,16 +818,27 @@ def test_merge_of_a_file_that_is_not_a_results_file_exits_2_naming_it(content, w
   assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists(), err[-1500:]
 
 
-@pytest.mark.slow
-def test_without_matplotlib_a_benchmark_says_which_extra_in_one_line():
-  """Without the bench extra, python -m benchmarks.layer printed two chained tracebacks before the install hint."""
-  code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = ['benchmarks.layer', '--quick']; "
-          "runpy.run_module('benchmarks.layer', run_name='__main__', alter_sys=True)")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+def _without_matplotlib(module: str, *argv: str) -> subprocess.CompletedProcess:
+  code = (f"import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = [{module!r}, *{list(argv)!r}]; "
+          f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                         env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, argv", [("benchmarks.layer", ["--quick"]), ("benchmarks.decode", ["--quick"]),
+                                          ("benchmarks.train", ["--backends", "xla", "--preset", "tiny", "--steps", "2"]),
+                                          ("benchmarks.fp8_train", ["--steps", "2"])])
+def test_without_matplotlib_a_benchmark_that_plots_says_which_extra_in_one_line(module, argv, tmp_path):
+  """Without the bench extra, python -m benchmarks.layer printed two chained tracebacks before the install hint;
+  then --help failed too, before it printed the flags."""
+  proc = _without_matplotlib(module, *argv, "--out", str(tmp_path / "out"))
   assert proc.returncode == 2, proc.stderr[-1500:]
   assert proc.stderr.strip() == ("error: the benchmarks write plots with matplotlib, which is not installed: "
                                  "pip install 'attnlayers[bench]'"), proc.stderr[-1500:]
+  assert not (tmp_path / "out").exists()
+  proc = _without_matplotlib(module, "--help")
+  assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-1500:]
 
 
 def test_no_benchmark_writes_the_published_results_unless_named():
