@@ -97,7 +97,8 @@ class BackendAttention:
   Flax's `precision` reaches the attention core too (as in Flax's own attention), so a
   backend that cannot apply it refuses the call and `auto` picks one that can.
 
-  Softmax: every backend computes it in float32 (complex64 for complex inputs), whatever
+  Softmax: every backend computes it in float32 (complex64 for complex inputs), or in float64
+  for float64 inputs (complex128 for complex128; 'naive' only), whatever
   `force_fp32_for_softmax` says. Where Flax's own attention, given False, runs it in the
   compute dtype (bfloat16, float16), ours is at least as precise; the fused kernels (cudnn,
   te, te-fp8, xla) run that float32 softmax for both values of the flag.
@@ -147,8 +148,12 @@ class BackendAttention:
                        "softmax runs on the complex scores in complex64 (float32 parts)")
     if force_fp32_for_softmax and (module is not None or dropping) and dtype.itemsize < 4:
       dtype = jnp.dtype(jnp.float32)  # Flax's float32 weights, computed exactly: see the class docstring
-    query, key, value = (x.astype(dtype) for x in (query, key, value))
     batch = query.shape[:-3]  # (batch...)
+    if not key.shape[:-3] == value.shape[:-3] == batch:  # else flattening would pair rows wrongly, or fail deep in jax
+      raise ValueError(f"query, key and value batch dims must match, as in Flax: query {query.shape}, key {key.shape}, "
+                       f"value {value.shape} ((*batch, length, heads, head_dim)) have batch dims {batch}, "
+                       f"{key.shape[:-3]}, {value.shape[:-3]}; give inputs_k and inputs_v the batch dims of inputs_q")
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
     q, k, v = (_flatten_batch(x, batch) for x in (query, key, value))  # (B, T, N, H), (B, S, K, H)
     binary = None  # for a traced float mask: whether it held only 0 and 1
     if mask is not None:

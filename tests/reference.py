@@ -19,6 +19,10 @@ TOLERANCES = {
     ("bfloat16", "grad"): (4e-2, 4e-2),
     ("float16", "out"): (3e-3, 3e-3),
     ("float16", "grad"): (6e-3, 6e-3),
+    # float64 inputs (with jax_enable_x64) run in float64 throughout: the same sums in another order, 2^-52
+    # relative apart each; a float32 step anywhere (a softmax in float32) is off by 1e-7 and fails.
+    ("float64", "out"): (1e-12, 1e-12),
+    ("float64", "grad"): (1e-12, 1e-12),
     # A training run's losses over 20 steps on several devices against one device (tests/test_mesh.py): the same
     # sums in another order, a few float32 steps apart (2^-23 relative each); a wrong shard or a missing
     # reduction moves the second step's loss by orders of magnitude more.
@@ -55,7 +59,7 @@ def tolerance(dtype, kind: str = "out") -> dict:
 
 def assert_close(actual, expected, dtype, kind: str = "out", what: str = ""):
   """dtype: the inputs' dtype, or "fp8" for the FP8 rule above."""
-  actual, expected = np.asarray(actual, dtype=np.float32), np.asarray(expected, dtype=np.float32)
+  actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
   if isinstance(dtype, str) and dtype == "fp8":
     atol = FP8_FRACTION_OF_MAX[kind] * float(np.abs(expected).max())
     err = float(np.abs(actual - expected).max())

@@ -185,6 +185,45 @@ def test_a_float8_bias_runs_on_naive_and_xla_says_why(dtype):
                                 attnlayers.attention(x, x, x, bias=bias.astype(jnp.float32), backend="naive"))
 
 
+def test_float64_runs_in_float64_on_naive_and_xla_says_why():
+  """With jax_enable_x64, float64 q/k/v ran on xla (auto's choice), whose softmax jax computes in float32: the
+  float64 output was about 2e-7 off the float64 reference, and naive's scores were float32 too. xla refuses them
+  now, naming 'naive', which auto picks and which computes in float64: outputs and gradients within 1e-12."""
+  rng = np.random.default_rng(0)
+  q64, k64, v64, dout = (rng.standard_normal(s) for s in [(2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16), (2, 8, 4, 16)])
+  with jax.enable_x64(True):
+    q, k, v = (jnp.asarray(x, jnp.float64) for x in (q64, k64, v64))
+    with pytest.raises(attnlayers.BackendUnavailableError, match="float64 q/k/v would come back as float64 of "
+                                                                 "float32 precision; 'naive' runs them"):
+      attnlayers.attention(q, k, v, backend="xla")
+    assert attnlayers.explain("auto", q, k, v, is_causal=True).chosen == "naive"
+    out, vjp = jax.vjp(lambda q, k, v: attnlayers.attention(q, k, v, is_causal=True), q, k, v)
+    grads = vjp(jnp.asarray(dout))
+    assert out.dtype == jnp.float64 and all(g.dtype == jnp.float64 for g in grads)
+  want, _ = reference.forward(q64, k64, v64, is_causal=True)
+  reference.assert_close(out, want, np.float64, what="naive float64 out")
+  for got, want_g, name in zip(grads, reference.gradients(q64, k64, v64, dout, is_causal=True), "qkv"):
+    reference.assert_close(got, want_g, np.float64, "grad", what=f"naive float64 d{name}")
+
+
+@pytest.mark.parametrize("kv_shape", [(3, 2, 5, 32), (6, 5, 32), (2, 4, 5, 32)])
+def test_layers_refuse_kv_batch_dims_other_than_the_querys(kv_shape):
+  """Keys and values of batch dims (3, 2) or (6,) beside queries of (2, 3) were flattened to the same 6 rows and
+  paired wrongly without a word (Flax raises); (2, 4) failed in jnp.reshape with a TypeError."""
+  import flax.linen as nn
+  import attnlayers.linen
+  x = jnp.ones((2, 3, 8, 32))  # (*batch, T, features)
+  kv_in = jnp.ones(kv_shape)
+  want = re.escape(f"batch dims (2, 3), {kv_shape[:-2]}, {kv_shape[:-2]}")
+  layer = MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="query, key and value batch dims must match.*" + want):
+    layer(x, kv_in)
+  module = attnlayers.linen.MultiHeadDotProductAttention(num_heads=4)
+  params = nn.MultiHeadDotProductAttention(num_heads=4).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="query, key and value batch dims must match.*" + want):
+    module.apply(params, x, kv_in)
+
+
 def test_dropout_needs_rng():
   with pytest.raises(ValueError, match="needs a dropout_rng"):
     attnlayers.attention(q, kv, kv, backend="naive", dropout_rate=0.1)

@@ -1,8 +1,9 @@
 """XLA's own attention: `jax.nn.dot_product_attention(implementation="xla")`.
 
-Runs on every platform for bfloat16, float32 and float64 q/k/v, and off the CPU for float16 (jax asks XLA for the
+Runs on every platform for bfloat16 and float32 q/k/v, and off the CPU for float16 (jax asks XLA for the
 F16_F16_F32 dot algorithm, which XLA's CPU backend refuses under jit); not for float8/float4
-ones, which jax will not promote to its float32 scores ('naive' runs those), nor complex ones. On a
+ones, which jax will not promote to its float32 scores ('naive' runs those), nor complex ones, nor float64 ones,
+whose softmax jax computes in float32 (their output would be float64 of float32 precision). On a
 GPU, XLA fuses what it can but still builds the (B, N, T, S) scores in memory.
 """
 
@@ -15,7 +16,7 @@ from attnlayers.backends import _masks, _reasons
 from attnlayers.spec import Call
 
 NAME = "xla"
-SUMMARY = "jax.nn.dot_product_attention(implementation='xla'); any platform; bfloat16, float32, float64, float16 off the CPU"
+SUMMARY = "jax.nn.dot_product_attention(implementation='xla'); any platform; bfloat16, float32, float16 off the CPU"
 MIN_CC = None  # runs on any device jax runs on
 
 
@@ -26,6 +27,10 @@ def unmet(call: Call) -> list[str]:
                    f"to float32), so it cannot run {call.dtype.name} q/k/v; 'naive' runs them, with the softmax of "
                    "the complex scores, as Flax's attention computes it where it builds the weights (linen's "
                    "layers always; nnx's with sow_weights or a dropout_rate, else it calls this XLA attention)")
+  if call.dtype == np.float64:  # jax casts the scores to float32 before its softmax
+    reasons.append("jax's XLA attention computes its softmax in float32 whatever the inputs, so float64 q/k/v would "
+                   "come back as float64 of float32 precision; 'naive' runs them with scores and softmax in float64, "
+                   "or cast the inputs to float32")
   if _reasons.is_narrow_float(call.dtype):  # jax computes the scores in promote_types(dtype, float32)
     reasons.append(f"jax's XLA attention promotes q/k/v with float32 for its scores, which jax refuses for "
                    f"{call.dtype.name} (it promotes no float narrower than 16 bits implicitly), so it cannot run "
