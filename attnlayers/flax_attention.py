@@ -47,6 +47,29 @@ def _mask_4d(x, batch: tuple[int, ...]):
   return _flatten_batch(jnp.broadcast_to(x, batch + x.shape[-3:]), batch)
 
 
+def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
+  """Whether an array of `shape` broadcasts to `to` (numpy's rule, trailing dims aligned)."""
+  return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(shape[::-1], to[::-1]))
+
+
+def _check_mask_shape(name: str, x, full: tuple[int, ...]) -> None:
+  """A Flax mask or bias must broadcast to full = (*batch, N, T, S); the error names the caller's shape (the core's
+  would name it after _mask_4d has padded it) and the heads axis that a (*batch, T, S) mask lacks."""
+  if _broadcasts(x.shape, full):
+    return
+  if x.ndim > len(full):
+    hint = f": it has {x.ndim} dims, at most {len(full)} broadcast"
+  else:
+    bad = [f"dim {i - x.ndim} is {a} (expected 1 or {b})" for i, (a, b) in
+           enumerate(zip(x.shape, full[len(full) - x.ndim:])) if a not in (1, b)]
+    hint = ": " + ", ".join(bad)
+  if x.ndim == len(full) - 1 and _broadcasts(x.shape[:-2] + (1,) + x.shape[-2:], full):
+    hint += (f"; it reads as a (*batch, q_length, kv_length) {name}, and Flax's attention takes a heads axis "
+             f"before q_length too: pass {name}[..., None, :, :]")
+  raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to (*batch, num_heads, q_length, kv_length) "
+                   f"= {full}{hint}")
+
+
 def _sow(module, weights) -> None:
   """Sows the weights where Flax's own attention does, without Module.sow()'s deprecation warning.
 
@@ -155,6 +178,10 @@ class BackendAttention:
                        f"{key.shape[:-3]}, {value.shape[:-3]}; give inputs_k and inputs_v the batch dims of inputs_q")
     query, key, value = (x.astype(dtype) for x in (query, key, value))
     q, k, v = (_flatten_batch(x, batch) for x in (query, key, value))  # (B, T, N, H), (B, S, K, H)
+    full = (*batch, query.shape[-2], query.shape[-3], key.shape[-3])  # (*batch, N, T, S)
+    for name, x in (("mask", mask), ("bias", bias)):
+      if x is not None and hasattr(x, "shape"):
+        _check_mask_shape(name, x, full)
     binary = None  # for a traced float mask: whether it held only 0 and 1
     if mask is not None:
       mask, binary = _flax_mask(_mask_4d(mask, batch))

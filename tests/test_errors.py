@@ -224,6 +224,19 @@ def test_layers_refuse_kv_batch_dims_other_than_the_querys(kv_shape):
     module.apply(params, x, kv_in)
 
 
+@pytest.mark.parametrize("shape, says", [
+    ((2, 8, 8), "dim -3 is 2 (expected 1 or 4); it reads as a (*batch, q_length, kv_length) mask, and Flax's "
+                "attention takes a heads axis before q_length too: pass mask[..., None, :, :]"),
+    ((2, 1, 8, 9), "dim -1 is 9 (expected 1 or 8)"),
+    ((1, 2, 1, 8, 8), "it has 5 dims, at most 4 broadcast")])
+def test_a_layer_mask_of_the_wrong_shape_is_named_as_given(shape, says):
+  """A (B, T, S) mask, without Flax's heads axis, was reported after padding, as (1, 2, 8, 8) with N mismatched."""
+  layer = MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=re.escape(f"mask of shape {shape} does not broadcast to (*batch, num_heads, "
+                                                 f"q_length, kv_length) = (2, 4, 8, 8): {says}")):
+    layer(jnp.ones((2, 8, 32)), mask=jnp.ones(shape, bool))
+
+
 def test_dropout_needs_rng():
   with pytest.raises(ValueError, match="needs a dropout_rng"):
     attnlayers.attention(q, kv, kv, backend="naive", dropout_rate=0.1)
