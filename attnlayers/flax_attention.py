@@ -168,7 +168,7 @@ class BackendAttention:
     if force_fp32_for_softmax and dtype.kind == "c":
       raise ValueError(f"force_fp32_for_softmax=True with {dtype.name} inputs: Flax casts the complex scores to "
                        "float32 there, dropping their imaginary part; pass force_fp32_for_softmax=False, and the "
-                       "softmax runs on the complex scores in complex64 (float32 parts)")
+                       f"softmax runs on the complex scores in {'complex128' if dtype == jnp.complex128 else 'complex64'}")
     if force_fp32_for_softmax and (module is not None or dropping) and dtype.itemsize < 4:
       dtype = jnp.dtype(jnp.float32)  # Flax's float32 weights, computed exactly: see the class docstring
     batch = query.shape[:-3]  # (batch...)

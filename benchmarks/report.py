@@ -11,7 +11,9 @@ def require_plots() -> None:
   it once its flags parse (so --help works without the extra) and before it times anything."""
   try:
     _pyplot()
-  except ModuleNotFoundError:
+  except ModuleNotFoundError as e:
+    if e.name != "matplotlib":  # one of matplotlib's own dependencies: its traceback says which
+      raise
     print("error: the benchmarks write plots with matplotlib, which is not installed: pip install 'attnlayers[bench]'",
           file=sys.stderr)
     raise SystemExit(2) from None

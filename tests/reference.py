@@ -1,7 +1,7 @@
 """The float64 numpy reference for attention, its gradients, and the per-dtype tolerances.
 
-Every backend's outputs and gradients are compared with these, on float32 copies, with
-tolerances chosen here and nowhere else.
+Every backend's outputs and gradients are compared with these in float64, with tolerances
+chosen here and nowhere else.
 """
 
 from __future__ import annotations
