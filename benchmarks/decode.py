@@ -61,11 +61,12 @@ TARGETS = dict(kv_heads=[12, 4, 1], batch1_context=1536, batch1_ms=0.30, batch_a
                frac_copy_bw={12: 0.85, 4: 0.70, 1: 0.50}, gqa_over_mha=(4, 2.2), kernels=100)
 FULL["targets"] = TARGETS
 XLA_OPTIONS = {"decode": compiler.DECODE, "default": {},  # --xla-options: models.compiler.DECODE, XLA's own,
-               "gemm": compiler.DECODE | {k: v for k, v in compiler.GEMM.items()  # DECODE with the trainer's GEMM
-                                           if k != "xla_gpu_dot_merger_threshold_mb"},  # options (models.compiler),
-               # or DECODE with no GEMM split over K: a split GEMM (more blocks for a few rows) sums its parts in a
+               "graphs": compiler.COMMAND_BUFFERS,  # the decode loop as CUDA graphs (models.compiler.COMMAND_BUFFERS),
+               "gemm": compiler.COMMAND_BUFFERS | {k: v for k, v in compiler.GEMM.items()  # those with the trainer's
+                                                   if k != "xla_gpu_dot_merger_threshold_mb"},  # GEMM options,
+               # or with no GEMM split over K: a split GEMM (more blocks for a few rows) sums its parts in a
                # kernel of its own, one more per GEMM that XLA splits
-               "unsplit": compiler.DECODE | {"xla_gpu_experimental_force_split_k": 1}}
+               "unsplit": compiler.COMMAND_BUFFERS | {"xla_gpu_experimental_force_split_k": 1}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,8 +301,9 @@ def main(argv=None) -> None:
   p.add_argument("--batch1-context", type=flags.int_at_least(1), help="prompt tokens of the batch-1 points added "
                  "beside --contexts (default 1536; 64 with --quick)")
   p.add_argument("--xla-options", nargs="+", choices=list(XLA_OPTIONS), help="the programs' XLA options, one sweep "
-                 "each: decode (models.compiler.DECODE: the decode loop as one CUDA graph; the default), default (XLA's "
-                 "own) or gemm (DECODE with the trainer's GEMM options: cuBLASLt epilogues, no Triton GEMM fusions)")
+                 "each: decode (models.compiler.DECODE; the default), default (XLA's own), graphs (the decode loop as CUDA "
+                 "graphs: models.compiler.COMMAND_BUFFERS), gemm (graphs with the trainer's GEMM options: cuBLASLt "
+                 "epilogues, no Triton GEMM fusions) or unsplit (graphs with no GEMM split over K)")
   p.add_argument("--kernel-counts", action=argparse.BooleanOptionalAction, default=None,
                  help="count each point's GPU kernels per decode step from a profiler trace (default: on a GPU)")
   p.add_argument("--budget-s", type=flags.positive_float, help="seconds for the whole command: no point starts that would, at the "

@@ -34,9 +34,10 @@ COLUMNS = ["K", "backend", "xla_options", "batch", "context", "kv_cache_mib", "d
 KERNELS_NOTE = ("`kernels_per_step`: the GPU kernels and device copies of the decode program (module jit__decode) "
                 "in a profiler trace of one more call, over its steps (the loop's condition included); empty for "
                 "programs compiled with command buffers, whose trace shows each CUDA graph as one launch. "
-                "`xla_options`: `decode` compiles with models.compiler.DECODE (command buffers, the loop as one CUDA "
-                "graph), `default` with XLA's own options, `gemm` with DECODE and the trainer's GEMM options, "
-                "`unsplit` with DECODE and no GEMM split over K (no kernel summing a split GEMM's parts).")
+                "`xla_options`: `decode` compiles with models.compiler.DECODE (XLA's own options), `default` with XLA's "
+                "own options, `graphs` with command buffers (the loop as CUDA graphs), `gemm` with those and the "
+                "trainer's GEMM options, `unsplit` with those and no GEMM split over K (no kernel summing a split "
+                "GEMM's parts).")
 
 
 def kv_cache(n_layer: int, B: int, length: int, K: int, H: int, itemsize: int) -> int:

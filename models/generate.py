@@ -289,8 +289,8 @@ class Decoder:
   and all its state; another name rebuilds the graph with that attention backend around the
   same nnx.Param state, so a te-fp8 model samples under "xla"; any other state (te-fp8's
   FP8Meta scaling) is then the new backend's own, fresh. Both programs compile with
-  `compiler_options`: by default models.compiler.DECODE (the decode loop as
-  one CUDA graph on a GPU); {} compiles with XLA's defaults.
+  `compiler_options`: by default models.compiler.DECODE (XLA's own options;
+  models.compiler.COMMAND_BUFFERS records the decode loop as CUDA graphs on a GPU).
   """
 
   def __init__(self, model: GPT, *, batch: int, cache_len: int, prompt_len: int, sampling: Sampling,

@@ -190,3 +190,23 @@ def test_cudnn_layer_decode_runs_the_fused_kernel(chunk):
   step = lambda s, x, n: nnx.merge(graphdef, s)(x, decode=True, lengths=n)
   text = jax.jit(step).lower(state, tokens(B, chunk), jnp.full(B, chunk, jnp.int32)).compile().as_text()
   assert CUDNN_FMHA.findall(text)
+
+
+def test_the_decode_loop_runs_the_steps_it_is_asked_for():
+  """Under command buffers (models.compiler.COMMAND_BUFFERS) the H200's jax 0.11.2 ran gpt2-small's decode loop
+  65 steps of 64 per row (benchmarks.decode's step check). The Decoder's default options, models.compiler.DECODE,
+  run exactly the steps asked, call after call on the state each returns, and move each row's position by them."""
+  import models
+  from models import generate
+  cfg = models.preset("gpt2-small", n_kv_head=12, seq_len=1024, backend="cudnn")
+  m = models.GPT(cfg, rngs=nnx.Rngs(0))
+  P, steps = 512, 64
+  decoder = generate.Decoder(m, batch=1, cache_len=1024, prompt_len=P, sampling=generate.Sampling(temperature=0),
+                             stop_token=None)
+  prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, P), dtype=np.int32)  # (B, P)
+  state, first = decoder.prefill(decoder.init_state(), prompts, np.full((1,), P, np.int32))
+  for call in range(1, 4):
+    state, tokens, n_new = decoder.decode(state, first, steps)
+    assert np.asarray(n_new).tolist() == [steps] and tokens.shape == (1, steps), (call, np.asarray(n_new))
+    assert np.asarray(state["pos"]).tolist()[:1] == [P + call * steps], (call, np.asarray(state["pos"]))
+    first = tokens[:, -1]
