@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attnlayers import backends
+from attnlayers import backends, spec
 from attnlayers.core import attention
 
 
@@ -47,27 +47,16 @@ def _mask_4d(x, batch: tuple[int, ...]):
   return _flatten_batch(jnp.broadcast_to(x, batch + x.shape[-3:]), batch)
 
 
-def _broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
-  """Whether an array of `shape` broadcasts to `to` (numpy's rule, trailing dims aligned)."""
-  return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(shape[::-1], to[::-1]))
-
-
 def _check_mask_shape(name: str, x, full: tuple[int, ...]) -> None:
   """A Flax mask or bias must broadcast to full = (*batch, N, T, S); the error names the caller's shape (the core's
   would name it after _mask_4d has padded it) and the heads axis that a (*batch, T, S) mask lacks."""
-  if _broadcasts(x.shape, full):
-    return
-  if x.ndim > len(full):
-    hint = f": it has {x.ndim} dims, at most {len(full)} broadcast"
-  else:
-    bad = [f"dim {i - x.ndim} is {a} (expected 1 or {b})" for i, (a, b) in
-           enumerate(zip(x.shape, full[len(full) - x.ndim:])) if a not in (1, b)]
-    hint = ": " + ", ".join(bad)
-  if x.ndim == len(full) - 1 and _broadcasts(x.shape[:-2] + (1,) + x.shape[-2:], full):
-    hint += (f"; it reads as a (*batch, q_length, kv_length) {name}, and Flax's attention takes a heads axis "
-             f"before q_length too: pass {name}[..., None, :, :]")
-  raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to (*batch, num_heads, q_length, kv_length) "
-                   f"= {full}{hint}")
+  n = len(full) - 3  # batch dims
+  dims = (("batch",) if n == 1 else tuple(f"batch[{i}]" for i in range(n))) + ("num_heads", "q_length", "kv_length")
+  with_heads = x.shape[:-2] + (1,) + x.shape[-2:]  # the shape with a heads axis, where x lacks one
+  hint = (f"; it reads as a (*batch, q_length, kv_length) {name}, and Flax's attention takes a heads axis before "
+          f"q_length too: pass {name}[..., None, :, :]") \
+      if len(with_heads) == len(full) and all(a in (1, b) for a, b in zip(with_heads, full)) else ""
+  spec.check_broadcast(name, x.shape, full, dims, hint)
 
 
 def _sow(module, weights) -> None:

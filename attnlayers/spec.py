@@ -184,19 +184,19 @@ class Call:
   def _check_arrays(self) -> None:
     """Validates the array options against the shapes and records the facts of them."""
     B, T, S = self.B, self.T, self.S
-    target, letters = (B, self.N, T, S), "B, N, T, S"
+    target, dims = (B, self.N, T, S), ("B", "N", "T", "S")
     if self.mask is not None:
       _array_like("mask", self.mask)
       if self.mask.dtype != jnp.bool_:
         raise ValueError(f"mask must be boolean (True = may attend); got {self.mask.dtype}. Pass mask.astype(bool) "
                          "if nonzero means attend, or mask == 0 if your convention is True = masked out; an additive "
                          "mask (0 / -inf) goes in bias=.")
-      self._set(mask_shape=_check_broadcast("mask", self.mask, target, letters))
+      self._set(mask_shape=check_broadcast("mask", self.mask.shape, target, dims))
     if self.bias is not None:
       _array_like("bias", self.bias)
       if not jnp.issubdtype(self.bias.dtype, jnp.floating):
         raise ValueError(f"bias must be floating point; got {self.bias.dtype}")
-      self._set(bias_shape=_check_broadcast("bias", self.bias, target, letters),
+      self._set(bias_shape=check_broadcast("bias", self.bias.shape, target, dims),
                 bias_dtype=np.dtype(jax.dtypes.canonicalize_dtype(self.bias.dtype)))
     if self.query_seq_lengths is not None:
       _check_lengths("query_seq_lengths", self.query_seq_lengths, B, T, "T")
@@ -233,14 +233,18 @@ class Call:
     return f"B{self.B} T{self.T} S{self.S} N{self.N} K{self.K} H{self.H} {self.dtype.name}"
 
 
-def _check_broadcast(name: str, x, target: tuple[int, ...], letters: str) -> tuple[int, ...]:
-  if x.ndim > 4:
-    raise ValueError(f"{name} must have at most 4 dims broadcastable to ({letters}) = {target}; got shape {x.shape}")
-  shape = (1,) * (4 - x.ndim) + tuple(x.shape)
-  bad = [f"{letter}: {got} (expected 1 or {want})" for letter, got, want in zip(letters.split(", "), shape, target) if got not in (1, want)]
+def check_broadcast(name: str, shape: tuple[int, ...], target: tuple[int, ...], dims: tuple[str, ...],
+                    hint: str = "") -> tuple[int, ...]:
+  """`shape` padded with leading 1s to `target`'s rank, or a ValueError that names each of `dims` (target's dims,
+  by name) that is neither 1 nor target's, with `hint` after it."""
+  shape, where = tuple(shape), f"({', '.join(dims)}) = {target}"
+  if len(shape) > len(target):
+    raise ValueError(f"{name} must have at most {len(target)} dims broadcastable to {where}; got shape {shape}{hint}")
+  padded = (1,) * (len(target) - len(shape)) + shape
+  bad = [f"{dim}: {got} (expected 1 or {want})" for dim, got, want in zip(dims, padded, target) if got not in (1, want)]
   if bad:
-    raise ValueError(f"{name} of shape {x.shape} does not broadcast to ({letters}) = {target}; mismatched dims " + ", ".join(bad))
-  return shape
+    raise ValueError(f"{name} of shape {shape} does not broadcast to {where}; mismatched dims {', '.join(bad)}{hint}")
+  return padded
 
 
 def _check_positive(name: str, value, what: str, optional: bool = True) -> None:

@@ -225,16 +225,26 @@ def test_layers_refuse_kv_batch_dims_other_than_the_querys(kv_shape):
 
 
 @pytest.mark.parametrize("shape, says", [
-    ((2, 8, 8), "dim -3 is 2 (expected 1 or 4); it reads as a (*batch, q_length, kv_length) mask, and Flax's "
+    ((2, 8, 8), "does not broadcast to (batch, num_heads, q_length, kv_length) = (2, 4, 8, 8); mismatched dims "
+                "num_heads: 2 (expected 1 or 4); it reads as a (*batch, q_length, kv_length) mask, and Flax's "
                 "attention takes a heads axis before q_length too: pass mask[..., None, :, :]"),
-    ((2, 1, 8, 9), "dim -1 is 9 (expected 1 or 8)"),
-    ((1, 2, 1, 8, 8), "it has 5 dims, at most 4 broadcast")])
+    ((2, 1, 8, 9), "does not broadcast to (batch, num_heads, q_length, kv_length) = (2, 4, 8, 8); mismatched dims "
+                   "kv_length: 9 (expected 1 or 8)"),
+    ((1, 2, 1, 8, 8), "must have at most 4 dims broadcastable to (batch, num_heads, q_length, kv_length) = "
+                      "(2, 4, 8, 8); got shape (1, 2, 1, 8, 8)")])
 def test_a_layer_mask_of_the_wrong_shape_is_named_as_given(shape, says):
   """A (B, T, S) mask, without Flax's heads axis, was reported after padding, as (1, 2, 8, 8) with N mismatched."""
   layer = MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=re.escape(f"mask of shape {shape} does not broadcast to (*batch, num_heads, "
-                                                 f"q_length, kv_length) = (2, 4, 8, 8): {says}")):
+  with pytest.raises(ValueError, match=re.escape(f"mask {'' if len(shape) > 4 else f'of shape {shape} '}{says}")):
     layer(jnp.ones((2, 8, 32)), mask=jnp.ones(shape, bool))
+
+
+def test_a_mask_over_two_batch_dims_names_each():
+  layer = MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=re.escape("mask of shape (2, 1, 1, 8) does not broadcast to (batch[0], "
+                                                 "batch[1], num_heads, q_length, kv_length) = (2, 3, 4, 8, 8); "
+                                                 "mismatched dims batch[1]: 2 (expected 1 or 3)")):
+    layer(jnp.ones((2, 3, 8, 32)), mask=jnp.ones((2, 1, 1, 8), bool))
 
 
 def test_dropout_needs_rng():
