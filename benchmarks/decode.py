@@ -64,9 +64,9 @@ XLA_OPTIONS = {"decode": compiler.DECODE, "default": {},  # --xla-options: model
                "graphs": compiler.COMMAND_BUFFERS,  # the decode loop as CUDA graphs (models.compiler.COMMAND_BUFFERS),
                "gemm": compiler.COMMAND_BUFFERS | {k: v for k, v in compiler.GEMM.items()  # those with the trainer's
                                                    if k != "xla_gpu_dot_merger_threshold_mb"},  # GEMM options,
-               # or with no GEMM split over K: a split GEMM (more blocks for a few rows) sums its parts in a
-               # kernel of its own, one more per GEMM that XLA splits
-               "unsplit": compiler.COMMAND_BUFFERS | {"xla_gpu_experimental_force_split_k": 1}}
+               # or XLA's own with no GEMM split over K: a split GEMM (more blocks for a few rows) sums its parts in
+               # a kernel of its own, one more per GEMM that XLA splits
+               "unsplit": {"xla_gpu_experimental_force_split_k": 1}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +303,7 @@ def main(argv=None) -> None:
   p.add_argument("--xla-options", nargs="+", choices=list(XLA_OPTIONS), help="the programs' XLA options, one sweep "
                  "each: decode (models.compiler.DECODE; the default), default (XLA's own), graphs (the decode loop as CUDA "
                  "graphs: models.compiler.COMMAND_BUFFERS), gemm (graphs with the trainer's GEMM options: cuBLASLt "
-                 "epilogues, no Triton GEMM fusions) or unsplit (graphs with no GEMM split over K)")
+                 "epilogues, no Triton GEMM fusions) or unsplit (XLA's own with no GEMM split over K)")
   p.add_argument("--kernel-counts", action=argparse.BooleanOptionalAction, default=None,
                  help="count each point's GPU kernels per decode step from a profiler trace (default: on a GPU)")
   p.add_argument("--budget-s", type=flags.positive_float, help="seconds for the whole command: no point starts that would, at the "

@@ -36,8 +36,8 @@ KERNELS_NOTE = ("`kernels_per_step`: the GPU kernels and device copies of the de
                 "programs compiled with command buffers, whose trace shows each CUDA graph as one launch. "
                 "`xla_options`: `decode` compiles with models.compiler.DECODE (XLA's own options), `default` with XLA's "
                 "own options, `graphs` with command buffers (the loop as CUDA graphs), `gemm` with those and the "
-                "trainer's GEMM options, `unsplit` with those and no GEMM split over K (no kernel summing a split "
-                "GEMM's parts).")
+                "trainer's GEMM options, `unsplit` with XLA's own and no GEMM split over K (no kernel summing a "
+                "split GEMM's parts).")
 
 
 def kv_cache(n_layer: int, B: int, length: int, K: int, H: int, itemsize: int) -> int:
