@@ -61,9 +61,9 @@ if [[ $PART == all || $PART == decode ]]; then
 fi
 if [[ $PART == all || $PART == decode-options ]]; then
   # ~5 minutes: cudnn's decode under each set of XLA options, K 12/4/1 at the targets' points (batch 1 at context
-  # 1536, batch 64 at 2048); XLA's own options (default) count the kernels a step runs in a trace, which the
-  # decode options' CUDA graphs hide, so they run first: a budget that runs out still leaves the count
-  python -m benchmarks.decode --backends cudnn --batches 1 64 --contexts 2048 --xla-options default graphs unsplit \
+  # 1536, batch 64 at 2048); the sets without command buffers (default, unsplit) count the kernels a step runs in
+  # a trace, which CUDA graphs hide, so they run first: a budget that runs out still leaves the counts
+  python -m benchmarks.decode --backends cudnn --batches 1 64 --contexts 2048 --xla-options default unsplit graphs \
     --budget-s 300 --out "$OUT/decode-options"
 fi
 if [[ $PART == all || $PART == summary ]]; then
