@@ -193,9 +193,9 @@ def test_cudnn_layer_decode_runs_the_fused_kernel(chunk):
 
 
 def test_the_decode_loop_runs_the_steps_it_is_asked_for():
-  """Under command buffers (models.compiler.COMMAND_BUFFERS) the H200's jax 0.11.2 ran gpt2-small's decode loop
-  65 steps of 64 per row (benchmarks.decode's step check). The Decoder's default options, models.compiler.DECODE,
-  run exactly the steps asked, call after call on the state each returns, and move each row's position by them."""
+  """Under its default options (models.compiler.DECODE) the decode loop runs exactly the steps asked, call after
+  call on the state each returns, and moves each row's position by them (why DECODE is not the command buffers:
+  models/compiler.py)."""
   import models
   from models import generate
   cfg = models.preset("gpt2-small", n_kv_head=12, seq_len=1024, backend="cudnn")
