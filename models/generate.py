@@ -150,7 +150,11 @@ def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling,
   kv, start, join = _one_position(cache)  # start (B,): each row's position when the loop starts
 
   def more(carry):
-    return carry[5]  # go: a step is left and some row has not stopped (the step before computes it, with its tokens)
+    # a step is left and some row has not stopped. The step computes `live` with its tokens; the step count is
+    # compared here so that the condition runs a kernel: XLA's command buffers order the loop's next-step flag
+    # after the condition's kernels, and a condition with none sets it from the flag the step before left (one
+    # step too many; tests/test_generate.py)
+    return (carry[0] < steps) & carry[5]
 
   def step(carry):
     i, kv, key, token, done, _, out, n_new = carry
@@ -163,11 +167,11 @@ def _decode(params, rest, cache, key, first, steps, stop, *, graphdef, sampling,
     out = jax.lax.dynamic_update_slice(out, token[:, None], (0, i))  # out[:, i] = token
     kv, _, _ = _one_position(nnx.state(model, nnx.Cache))
     n_new, done = n_new + ~done, done | (token == stop)
-    return i + 1, kv, key, token, done, (i + 1 < steps) & ~jnp.all(done), out, n_new
+    return i + 1, kv, key, token, done, ~jnp.all(done), out, n_new  # live: some row has not stopped
 
   out = jnp.full((B, width), stop, jnp.int32)  # (B, width) the new tokens; columns past the loop's end hold stop
   done = first == stop
-  carry = (jnp.int32(0), kv, key, first, done, (steps > 0) & ~jnp.all(done), out, jnp.zeros((B,), jnp.int32))
+  carry = (jnp.int32(0), kv, key, first, done, ~jnp.all(done), out, jnp.zeros((B,), jnp.int32))
   ran, kv, key, _, _, _, out, n_new = jax.lax.while_loop(more, step, carry)
   key = _split(key, sampling)[0]  # the next call's key: a stream of its own
   return join(kv, start + ran), key, out, n_new, ran  # ran: the steps taken; every row's cache advanced by that many

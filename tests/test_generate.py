@@ -158,6 +158,18 @@ def test_decode_is_one_compiled_loop_and_pads_finished_rows_with_stop():
   assert int(n_new[1]) == stopped and tokens[1, stopped:].tolist() == [0] * (10 - stopped)
 
 
+def test_the_decode_loops_condition_computes_its_flag():
+  """XLA's command buffers (the loop as a CUDA graph) order the loop's next-step flag after the condition's
+  kernels; a condition that only reads a flag the step carried has none, its flag was set before the step wrote
+  it, and the loop ran one step more than asked on an H200. The compiled condition computes something."""
+  d = Decoder(model(config()), batch=2, cache_len=64, prompt_len=64, sampling=GREEDY)
+  text = d._decode.as_text()
+  loop = next(line for line in text.splitlines() if " while(" in line)
+  name = re.search(r"condition=%?([\w.\-]+)", loop).group(1)
+  body = re.search(r"^%?" + re.escape(name) + r" .*?^}", text, re.S | re.M).group(0).splitlines()[1:-1]
+  assert [line for line in body if not re.search(r" (parameter|get-tuple-element)\(", line)], body
+
+
 def test_the_decode_loop_carries_no_position_per_block():
   """Every block's cache_index holds the same positions, so the loop's carry does not grow with the blocks (a copy
   of each block's old position per step was the price of carrying them all), and each block's cache_index comes
