@@ -19,8 +19,9 @@ COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUST
                    "xla_gpu_graph_min_graph_size": 1}
 
 # Decoding compiles with XLA's own options. Under COMMAND_BUFFERS the H200's jax 0.11.2 ran gpt2-small's decode
-# loop one step more than asked (65 of 64: benchmarks.decode's step check, docs/walkthrough.md step 9), so the
-# loop is not recorded into CUDA graphs until a run shows it exact; and under the training step's GEMM options
+# loop one step more than asked (65 of 64: benchmarks.decode's step check) while the loop's condition launched no
+# kernel (docs/walkthrough.md step 9); the condition now launches one, and the loop is recorded into CUDA graphs
+# once a run on the GPU shows it exact (tests/test_gpu_decode.py). Under the training step's GEMM options
 # (Triton GEMM fusions off) a decode step runs more kernels and takes longer at decode's batch sizes.
 # benchmarks.decode --xla-options decode graphs gemm compares them.
 DECODE = {}
